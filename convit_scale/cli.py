@@ -1,0 +1,86 @@
+"""The ``convit-scale`` command: config, models, prep, train, eval, export, analyze, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_config(args) -> int:
+    from .config import load_config
+
+    print(load_config(args.recipe, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def model_table_rows() -> list[dict]:
+    """Heads, width, parameters and GMACs counted from the modules (meta device), beside Table 1."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .models import MODELS, create_model
+
+    rows = []
+    for name, spec in MODELS.items():
+        model = create_model(name, device="meta").eval()
+        x = torch.empty(1, 3, spec.img_size, spec.img_size, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            model(x)
+        rows.append(dict(
+            name=name, heads=spec.num_heads, head_dim=spec.head_dim, width=spec.embed_dim,
+            gpsa_layers=spec.local_up_to_layer, img_size=spec.img_size,
+            params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+            gmacs=counter.get_total_flops() / 2e9,
+            paper_params_m=spec.paper_params_m, paper_gmacs=spec.paper_gmacs, paper_top1=spec.paper_top1,
+        ))
+    return rows
+
+
+def _cmd_models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="ConViT / DeiT models (counted from the modules; paper = Table 1)")
+    for col in ("model", "heads", "head dim", "width", "GPSA layers", "input", "params (M)", "paper",
+                "GMACs", "paper", "paper top-1"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in model_table_rows():
+        table.add_row(r["name"], str(r["heads"]), str(r["head_dim"]), str(r["width"]), str(r["gpsa_layers"]),
+                      str(r["img_size"]), f"{r['params_m']:.2f}", fmt(r["paper_params_m"], "g"),
+                      f"{r['gmacs']:.2f}", fmt(r["paper_gmacs"], "g"), fmt(r["paper_top1"], ".1f"))
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convit-scale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config", help="print the resolved config of a recipe")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=4e-4")
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("models", help="table of every model: heads, width, params, GMACs vs the paper")
+    p.set_defaults(func=_cmd_models)
+
+    from . import commands
+
+    commands.add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

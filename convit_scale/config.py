@@ -1,0 +1,501 @@
+"""The recipe: YAML -> a typed tree of dataclasses, with inheritance and dotted overrides.
+
+Every field has a docstring (the string right under it) that doubles as help text. Unknown keys,
+wrong types and impossible values raise ``ConfigError`` naming the key, the file and what is allowed,
+before any worker process or process group starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe key or value that is not allowed."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "convit_small"
+    """Registered model name (`convit-scale models` lists them)."""
+    num_classes: int = 1000
+    """Number of output classes."""
+    img_size: int | None = None
+    """Input resolution; None keeps the model's (224 for the paper's models)."""
+    drop_path_rate: float = 0.1
+    """Stochastic depth rate of the last block (linearly increasing from 0)."""
+    local_up_to_layer: int | None = None
+    """Number of GPSA blocks; None keeps the model's (10 for ConViT, 0 for DeiT)."""
+    locality_strength: float = 1.0
+    """alpha of the convolutional init (SPEC section 2)."""
+    gpsa_impl: Literal["fast", "reference"] = "fast"
+    """GPSA implementation: fused/shared-positional 'fast', or the literal 'reference'."""
+    distill_token: bool = False
+    """DeiT's distillation token and second head (Table 4 option)."""
+    conv_init: bool = True
+    """Convolutional init of GPSA (Table 3 switch); False = random init."""
+    train_gating: bool = True
+    """Train the gating lambda (Table 3 switch); False = frozen at lambda = 0."""
+    freeze_gpsa: bool = False
+    """Freeze GPSA attention so only the MLPs of those blocks learn (Table 3 rows f, g)."""
+    pretrained: str | None = None
+    """Local file of published weights to start from (.pth or .safetensors)."""
+
+
+@dataclass
+class DataConfig:
+    format: Literal["ffcv", "wds", "imagefolder"] = "ffcv"
+    """Loader: FFCV .beton, WebDataset tar shards, or a plain ImageFolder tree."""
+    train_path: str = ""
+    """Training data: a .beton file (ffcv), a folder/brace pattern/URL of shards (wds), or a folder."""
+    val_path: str = ""
+    """Validation data, same form as train_path."""
+    global_batch_size: int = 1024
+    """Images per optimizer step over all ranks: a property of the recipe, not of the cluster."""
+    micro_batch_size: int | None = None
+    """Images per rank per forward; None = the largest divisor that needs no accumulation."""
+    eval_batch_size: int = 128
+    """Images per rank per evaluation forward."""
+    num_workers: int = 8
+    """Loader worker processes per rank."""
+    subset_fraction: float = 1.0
+    """Table 2: keep the first floor(n_c * f) images of each class (sorted order)."""
+    repeated_aug: int = 3
+    """Repeated augmentation: each image appears this many times per epoch, differently augmented."""
+    hflip: float = 0.5
+    """Horizontal flip probability."""
+    rand_augment: str | None = "rand-m9-mstd0.5-inc1"
+    """timm RandAugment policy string; None disables it."""
+    color_jitter: float = 0.4
+    """Colour jitter strength (timm; ignored by timm when RandAugment is on, as in DeiT)."""
+    reprob: float = 0.25
+    """Random erasing probability (pixel mode)."""
+    mixup: float = 0.8
+    """Mixup alpha; 0 disables."""
+    cutmix: float = 1.0
+    """CutMix alpha; 0 disables."""
+    mixup_prob: float = 1.0
+    """Probability of applying Mixup or CutMix to a batch."""
+    mixup_switch_prob: float = 0.5
+    """Probability of CutMix rather than Mixup when both are on."""
+    label_smoothing: float = 0.1
+    """Label smoothing of the targets."""
+    interpolation: Literal["bicubic", "bilinear"] = "bicubic"
+    """Resize interpolation of RandomResizedCrop and of the eval resize."""
+    eval_crop_ratio: float = 0.875
+    """Eval: resize to img_size / ratio (256 for 224), then centre-crop img_size."""
+
+
+@dataclass
+class OptimConfig:
+    base_lr: float = 5e-4
+    """Learning rate at a global batch of lr_reference_batch; scaled linearly with the global batch."""
+    lr_reference_batch: int = 512
+    """lr = base_lr * global_batch_size / lr_reference_batch (DeiT's rule)."""
+    weight_decay: float = 0.05
+    """AdamW weight decay (not on biases, norms, position embedding, tokens, gating)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value; None = no clipping (the paper)."""
+
+
+@dataclass
+class ScheduleConfig:
+    epochs: int = 300
+    """Training epochs (Table 2 multiplies them by 1/f)."""
+    warmup_epochs: float = 5
+    """Linear warmup from warmup_lr to the peak lr."""
+    warmup_lr: float = 1e-6
+    """Learning rate at step 0."""
+    min_lr: float = 1e-5
+    """Cosine schedule floor."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (short runs and tests); the schedule still spans `epochs`."""
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["none", "ddp", "fsdp2", "zero1", "zero2", "zero3"] = "fsdp2"
+    """How ranks share the work: DDP, FSDP2 (fully_shard), or DeepSpeed ZeRO stage 1/2/3."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Compute precision; master weights stay fp32. fp16 uses loss scaling."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto = NCCL on GPUs, gloo on CPU."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like)."""
+    hsdp_replicas: int = 1
+    """FSDP2: >1 shards within groups of world/replicas ranks and replicates across groups (HSDP)."""
+    activation_checkpointing: bool = False
+    """Recompute each block in backward to save activation memory."""
+    compile: bool = False
+    """torch.compile each block (GPU only)."""
+    zero_offload: bool = False
+    """DeepSpeed: offload optimizer state to CPU."""
+    zero_bucket_elements: int | None = None
+    """DeepSpeed bucket sizes in elements; None = sized from the model (default buckets are GPU-sized)."""
+    meta_init: bool = False
+    """FSDP2: build on the meta device and initialise shards after sharding (large models)."""
+    timeout_s: int = 600
+    """Collective timeout: a dead rank makes the others fail after at most this long."""
+
+
+@dataclass
+class DistillConfig:
+    enabled: bool = False
+    """Hard/soft distillation from a teacher (Table 4)."""
+    teacher_model: str = "regnety_160"
+    """timm architecture of the teacher."""
+    teacher_checkpoint: str | None = None
+    """Local weights of the teacher (.pth or .safetensors); required when enabled."""
+    type: Literal["hard", "soft"] = "hard"
+    """Hard: CE to the teacher's argmax; soft: KL at temperature tau."""
+    alpha: float = 0.5
+    """Weight of the distillation term."""
+    tau: float = 1.0
+    """Temperature of soft distillation."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_epochs: int = 1
+    """Save a checkpoint every this many epochs (and at the end and on a stop signal)."""
+    every_steps: int | None = None
+    """Also save every this many steps; None = only per epoch."""
+    keep_last: int = 3
+    """Keep the newest K complete checkpoints."""
+    resume: str = "auto"
+    """'auto' = newest complete checkpoint in output_dir/checkpoints if any, 'none', or a path."""
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10
+    """Write a metrics.jsonl record every this many steps."""
+    progress: bool = True
+    """Rich progress bar on rank 0."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the tensorboard package)."""
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"
+    """Where the config, metrics, checkpoints and plots of this run go."""
+    seed: int = 0
+    """Seed of model init, data order and augmentation."""
+    eval_every_epochs: int = 1
+    """Evaluate every this many epochs and at the end."""
+    nonfinite_policy: Literal["skip", "stop"] = "skip"
+    """On a NaN/inf loss: skip the step (and count it) or stop without saving."""
+    max_skipped_steps: int = 10
+    """With 'skip': stop after this many consecutive non-finite steps."""
+
+
+@dataclass
+class PaperConfig:
+    table: str | None = None
+    """Which table of the paper this recipe reproduces (e.g. '1')."""
+    row: str | None = None
+    """Which row (e.g. 'ConViT-S+')."""
+    top1: float | None = None
+    """The top-1 the paper reports for it."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    paper: PaperConfig = field(default_factory=PaperConfig)
+
+    def to_dict(self) -> dict:
+        return _to_plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# -- help text -----------------------------------------------------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def _to_plain(obj):
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe, resolving ``base:`` (a path relative to the file, or a list of them)."""
+    if not path.is_file():
+        raise ConfigError(f"recipe not found: {path}")
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: 'base' inheritance loops through {' -> '.join(map(str, chain))}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    bases = raw.pop("base", None)
+    merged: dict = {}
+    for b in [bases] if isinstance(bases, str) else bases or []:
+        merged = _deep_merge(merged, _read_yaml((path.parent / b), chain + (path.resolve(),)))
+    return _deep_merge(merged, raw)
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "a list [" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str, source: str):
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{source}: {key} = {value!r} is not allowed; expected {_type_name(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_coerce(v, a, key, source) for v, a in zip(value, args))
+    if tp is type(None):
+        if value is None:
+            return None
+        raise bad
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise bad
+
+
+def _build(cls, data: dict, prefix: str, source: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of {', '.join(names)}")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"in '{prefix.rstrip('.')}'" if prefix else "at the top level"
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{unknown[0]}'; allowed keys {where}: {', '.join(names)}"
+        )
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], f"{prefix}{name}.", source)
+        else:
+            kwargs[name] = _coerce(data[name], tp, f"{prefix}{name}", source)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``optim.base_lr=4e-4`` -> (['optim', 'base_lr'], 0.0004); values are parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), _yaml_numbers(value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a recipe (with its bases), apply dotted overrides, and validate everything."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "<defaults>"
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: '{k}' is not a section")
+        node[keys[-1]] = value
+    if overrides:
+        source += " (with overrides " + " ".join(overrides) + ")"
+    cfg = _build(Config, _yaml_numbers(data), "", source)
+    validate(cfg, source)
+    return cfg
+
+
+def _yaml_numbers(obj):
+    """YAML 1.1 (PyYAML) reads '5e-4' as a string: turn such strings into floats."""
+    if isinstance(obj, dict):
+        return {k: _yaml_numbers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_yaml_numbers(v) for v in obj]
+    if isinstance(obj, str):
+        try:
+            if any(c in obj for c in "eE") and obj.strip()[0] in "0123456789.+-":
+                return float(obj)
+        except ValueError:
+            pass
+    return obj
+
+
+def validate(cfg: Config, source: str = "<config>") -> None:
+    """Value checks that types cannot express."""
+    from .models.registry import MODELS
+
+    def fail(key: str, value, allowed: str):
+        raise ConfigError(f"{source}: {key} = {value!r} is not allowed; {allowed}")
+
+    m, d, o, s, p, dist = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.parallel, cfg.distill
+    if m.name not in MODELS:
+        fail("model.name", m.name, "known models: " + ", ".join(MODELS))
+    spec = MODELS[m.name]
+    if m.num_classes < 1:
+        fail("model.num_classes", m.num_classes, "must be >= 1")
+    if m.img_size is not None and (m.img_size <= 0 or m.img_size % spec.patch_size):
+        fail("model.img_size", m.img_size, f"must be a positive multiple of the patch size {spec.patch_size}")
+    if m.local_up_to_layer is not None and not 0 <= m.local_up_to_layer < spec.depth:
+        fail("model.local_up_to_layer", m.local_up_to_layer, f"must be in [0, {spec.depth - 1}]")
+    if not 0.0 <= m.drop_path_rate < 1.0:
+        fail("model.drop_path_rate", m.drop_path_rate, "must be in [0, 1)")
+    for key in ("global_batch_size", "eval_batch_size", "repeated_aug"):
+        if getattr(d, key) < 1:
+            fail(f"data.{key}", getattr(d, key), "must be >= 1")
+    if d.micro_batch_size is not None and not 1 <= d.micro_batch_size <= d.global_batch_size:
+        fail("data.micro_batch_size", d.micro_batch_size, f"must be in [1, global_batch_size={d.global_batch_size}]")
+    if d.num_workers < 0:
+        fail("data.num_workers", d.num_workers, "must be >= 0")
+    if not 0.0 < d.subset_fraction <= 1.0:
+        fail("data.subset_fraction", d.subset_fraction, "must be in (0, 1]")
+    for key in ("hflip", "reprob", "mixup_prob", "mixup_switch_prob"):
+        if not 0.0 <= getattr(d, key) <= 1.0:
+            fail(f"data.{key}", getattr(d, key), "a probability in [0, 1]")
+    if not 0.0 <= d.label_smoothing < 1.0:
+        fail("data.label_smoothing", d.label_smoothing, "must be in [0, 1)")
+    if d.mixup < 0 or d.cutmix < 0 or d.color_jitter < 0:
+        fail("data.mixup/cutmix/color_jitter", (d.mixup, d.cutmix, d.color_jitter), "must be >= 0")
+    if not 0.0 < d.eval_crop_ratio <= 1.0:
+        fail("data.eval_crop_ratio", d.eval_crop_ratio, "must be in (0, 1]")
+    if d.rand_augment is not None and not d.rand_augment.startswith("rand"):
+        fail("data.rand_augment", d.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
+    if o.base_lr <= 0:
+        fail("optim.base_lr", o.base_lr, "must be > 0")
+    if o.lr_reference_batch < 1:
+        fail("optim.lr_reference_batch", o.lr_reference_batch, "must be >= 1")
+    if o.weight_decay < 0:
+        fail("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        fail("optim.betas", list(o.betas), "each in [0, 1)")
+    if o.grad_clip is not None and o.grad_clip <= 0:
+        fail("optim.grad_clip", o.grad_clip, "must be > 0, or null for no clipping")
+    if s.epochs < 1:
+        fail("schedule.epochs", s.epochs, "must be >= 1")
+    if not 0 <= s.warmup_epochs < s.epochs:
+        fail("schedule.warmup_epochs", s.warmup_epochs, f"must be in [0, epochs={s.epochs})")
+    if s.max_steps is not None and s.max_steps < 1:
+        fail("schedule.max_steps", s.max_steps, "must be >= 1, or null")
+    if s.min_lr < 0 or s.warmup_lr < 0:
+        fail("schedule.min_lr/warmup_lr", (s.min_lr, s.warmup_lr), "must be >= 0")
+    if p.hsdp_replicas < 1:
+        fail("parallel.hsdp_replicas", p.hsdp_replicas, "must be >= 1")
+    if p.hsdp_replicas > 1 and p.strategy != "fsdp2":
+        fail("parallel.hsdp_replicas", p.hsdp_replicas, "HSDP needs parallel.strategy = 'fsdp2'")
+    if p.zero_offload and not p.strategy.startswith("zero"):
+        fail("parallel.zero_offload", True, "needs parallel.strategy zero1, zero2 or zero3")
+    if p.meta_init and p.strategy != "fsdp2":
+        fail("parallel.meta_init", True, "needs parallel.strategy = 'fsdp2'")
+    if p.timeout_s < 10:
+        fail("parallel.timeout_s", p.timeout_s, "must be >= 10")
+    if dist.enabled and not dist.teacher_checkpoint:
+        fail("distill.teacher_checkpoint", dist.teacher_checkpoint, "a local teacher weights file is required when distill.enabled")
+    if not 0.0 <= dist.alpha <= 1.0:
+        fail("distill.alpha", dist.alpha, "must be in [0, 1]")
+    if dist.tau <= 0:
+        fail("distill.tau", dist.tau, "must be > 0")
+    if m.distill_token and not dist.enabled:
+        fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
+    if cfg.checkpoint.keep_last < 1:
+        fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    if cfg.checkpoint.every_epochs < 1:
+        fail("checkpoint.every_epochs", cfg.checkpoint.every_epochs, "must be >= 1")
+    if cfg.checkpoint.every_steps is not None and cfg.checkpoint.every_steps < 1:
+        fail("checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 1, or null")
+    if cfg.log.every_steps < 1:
+        fail("log.every_steps", cfg.log.every_steps, "must be >= 1")
+    if cfg.run.eval_every_epochs < 1:
+        fail("run.eval_every_epochs", cfg.run.eval_every_epochs, "must be >= 1")
+
+
+def model_options(m: ModelConfig) -> dict:
+    """The keyword arguments ``create_model`` takes for this model section."""
+    opts = dict(
+        num_classes=m.num_classes, drop_path_rate=m.drop_path_rate, locality_strength=m.locality_strength,
+        gpsa_impl=m.gpsa_impl, distill_token=m.distill_token, conv_init=m.conv_init,
+        train_gating=m.train_gating, freeze_gpsa=m.freeze_gpsa,
+    )
+    if m.img_size is not None:
+        opts["img_size"] = m.img_size
+    if m.local_up_to_layer is not None:
+        opts["local_up_to_layer"] = m.local_up_to_layer
+    return opts

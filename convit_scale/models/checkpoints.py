@@ -1,0 +1,113 @@
+"""Loading published weights: the official ConViT checkpoints and timm's convit_* / deit_* state dicts.
+
+Files are read without executing pickled code (``torch.load(weights_only=True)`` or safetensors).
+A state dict that does not match the model key for key is refused with the list of keys; nothing is
+half-loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from timm.layers import resample_abs_pos_embed
+
+from .convit import ConViT
+
+
+class CheckpointMismatch(ValueError):
+    """A state dict whose keys or shapes do not match the model."""
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a ``.safetensors`` or ``.pth``/``.pt``/``.bin`` file into a flat state dict, safely."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable weights-only checkpoint ({type(e).__name__}: {e})") from e
+    # The official ConViT/DeiT releases wrap the weights: {"model": state_dict, ...}.
+    for key in ("model", "state_dict", "module"):
+        if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path}: does not hold a state dict of tensors")
+    return obj
+
+
+def convert_state_dict(state_dict: dict[str, torch.Tensor], model: ConViT) -> dict[str, torch.Tensor]:
+    """Map a published state dict onto our keys and shapes.
+
+    - strips ``module.`` prefixes (DDP-saved files);
+    - DeiT (timm VisionTransformer) puts position embeddings on the class/distillation tokens too:
+      since our class token joins before block 0 in a DeiT, ``cls_token + pos_embed[:, 0]`` is exactly
+      equivalent, so those positions are folded into the tokens;
+    - a different grid (another resolution) is interpolated bicubically, as timm does.
+    """
+    sd = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    sd = {k: v for k, v in sd.items() if not k.endswith("attn.rel_indices")}  # derived, rebuilt here
+    pos = sd.get("pos_embed")
+    if pos is not None:
+        n_pos = pos.shape[1]
+        # How many leading positions belong to class/distillation tokens: the rest is a square grid.
+        n_prefix = next(c for c in ((2, 0) if "dist_token" in sd else (1, 0)) if _is_square(n_pos - c))
+        if n_prefix:
+            if model.local_up_to_layer != 0:
+                raise CheckpointMismatch(
+                    "position embedding covers class tokens (a DeiT checkpoint), but the model has "
+                    f"{model.local_up_to_layer} GPSA layers: load it into a deit_* model"
+                )
+            sd["cls_token"] = sd["cls_token"] + pos[:, :1]
+            if n_prefix == 2:
+                sd["dist_token"] = sd["dist_token"] + pos[:, 1:2]
+            pos = pos[:, n_prefix:]
+        grid = model.grid_size
+        if pos.shape[1] != grid * grid:
+            pos = resample_abs_pos_embed(pos, new_size=[grid, grid], num_prefix_tokens=0)
+        sd["pos_embed"] = pos
+    return sd
+
+
+def _is_square(n: int) -> bool:
+    return n >= 0 and round(n**0.5) ** 2 == n
+
+
+def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: str = "state dict") -> None:
+    """Raise ``CheckpointMismatch`` naming every missing, unexpected or mis-shaped key."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    shapes = sorted(
+        f"{k}: file {tuple(sd[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(sd) & set(expected)
+        if tuple(sd[k].shape) != tuple(expected[k].shape)
+    )
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes)}")
+        raise CheckpointMismatch(f"{what} does not match the model: " + " | ".join(parts))
+
+
+def load_pretrained(model: ConViT, source: str | Path | dict[str, torch.Tensor]) -> ConViT:
+    """Load published weights (a file or a state dict) into ``model``, all keys or nothing."""
+    what = str(source) if not isinstance(source, dict) else "state dict"
+    sd = read_state_dict(source) if not isinstance(source, dict) else source
+    sd = convert_state_dict(sd, model)
+    check_state_dict(sd, model, what)
+    model.load_state_dict(sd, strict=True)
+    return model

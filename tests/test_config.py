@@ -1,0 +1,84 @@
+"""Recipe config: inheritance, overrides, strict validation with messages naming key and file."""
+
+import pytest
+
+from convit_scale.cli import main
+from convit_scale.config import Config, ConfigError, field_docs, load_config
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_deit_recipe():
+    cfg = load_config()
+    assert cfg.optim.weight_decay == 0.05 and cfg.optim.eps == 1e-8 and cfg.optim.grad_clip is None
+    assert cfg.schedule.epochs == 300 and cfg.schedule.warmup_epochs == 5
+    assert cfg.schedule.warmup_lr == 1e-6 and cfg.schedule.min_lr == 1e-5
+    assert cfg.data.mixup == 0.8 and cfg.data.cutmix == 1.0 and cfg.data.reprob == 0.25
+    assert cfg.data.rand_augment == "rand-m9-mstd0.5-inc1" and cfg.data.repeated_aug == 3
+    assert cfg.model.drop_path_rate == 0.1 and cfg.data.label_smoothing == 0.1
+
+
+def test_inheritance_and_overrides(tmp_path):
+    (tmp_path / "t1").mkdir()
+    _write(tmp_path / "t1" / "base.yaml", "model: {name: convit_small}\noptim: {base_lr: 5e-4}\n")
+    child = _write(tmp_path / "child.yaml", "base: t1/base.yaml\ndata: {global_batch_size: 512}\n")
+    cfg = load_config(child, ["optim.base_lr=4e-4", "parallel.strategy=zero3", "data.rand_augment=null"])
+    assert cfg.model.name == "convit_small"
+    assert cfg.optim.base_lr == pytest.approx(4e-4)
+    assert cfg.data.global_batch_size == 512 and cfg.parallel.strategy == "zero3"
+    assert cfg.data.rand_augment is None
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("optim: {lrr: 1}\n", "unknown key 'optim.lrr'; allowed keys in 'optim': base_lr"),
+    ("bogus: {a: 1}\n", "unknown key 'bogus'; allowed keys at the top level: model, data"),
+    ("parallel: {strategy: zero4}\n", "parallel.strategy = 'zero4' is not allowed; expected one of 'none', 'ddp'"),
+    ("data: {global_batch_size: 12.5}\n", "data.global_batch_size = 12.5 is not allowed; expected int"),
+    ("data: {global_batch_size: 0}\n", "data.global_batch_size = 0 is not allowed; must be >= 1"),
+    ("model: {name: convit_huge}\n", "model.name = 'convit_huge' is not allowed; known models: deit_tiny"),
+    ("schedule: {epochs: 10, warmup_epochs: 20}\n", "schedule.warmup_epochs = 20.0 is not allowed"),
+    ("distill: {enabled: true}\n", "distill.teacher_checkpoint = None is not allowed"),
+    ("model: {img_size: 100}\n", "model.img_size = 100 is not allowed; must be a positive multiple"),
+    ("data: {subset_fraction: 0}\n", "data.subset_fraction = 0.0 is not allowed"),
+    ("run: {seed: true}\n", "run.seed = True is not allowed; expected int"),
+    ("model: 3\n", "'model' must be a mapping"),
+])
+def test_bad_values_are_refused_naming_key_and_file(tmp_path, text, needle):
+    f = _write(tmp_path / "bad.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert needle in str(e.value) and str(f) in str(e.value)
+
+
+def test_bad_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'optim.nope'"):
+        load_config(None, ["optim.nope=1"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(None, ["optim.base_lr"])
+    with pytest.raises(ConfigError, match="recipe not found"):
+        load_config(tmp_path / "missing.yaml")
+    loop = _write(tmp_path / "loop.yaml", "base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(loop)
+
+
+def test_every_field_has_help_text():
+    import dataclasses
+
+    for section in dataclasses.fields(Config):
+        cls = section.type if isinstance(section.type, type) else eval(section.type, vars(__import__("convit_scale.config").config))
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_config_command_prints_resolved_yaml_and_refuses_bad_keys(tmp_path, capsys):
+    f = _write(tmp_path / "r.yaml", "model: {name: deit_small}\n")
+    assert main(["config", str(f), "optim.base_lr=1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "name: deit_small" in out and "base_lr: 0.001" in out
+    assert main(["config", str(f), "optim.bad=1"]) == 2
+    assert "unknown key 'optim.bad'" in capsys.readouterr().err
