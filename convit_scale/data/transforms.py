@@ -1,0 +1,48 @@
+"""The DeiT recipe's transforms (SPEC section 3), built with timm so every loader shares them.
+
+Train: bicubic RandomResizedCrop + flip, RandAugment rand-m9-mstd0.5-inc1, colour jitter 0.4 (timm skips
+it when RandAugment is on, as DeiT does), normalisation, random erasing 0.25 in pixel mode.
+Eval: resize to img_size / 0.875 (256 for 224), centre crop, normalisation.
+Mixup 0.8 / CutMix 1.0 with label smoothing act on whole batches in the training loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform
+
+from ..config import DataConfig
+
+
+def build_train_transform(d: DataConfig, img_size: int):
+    return create_transform(
+        input_size=img_size, is_training=True, scale=(0.08, 1.0), hflip=d.hflip,
+        color_jitter=d.color_jitter, auto_augment=d.rand_augment, interpolation=d.interpolation,
+        re_prob=d.reprob, re_mode="pixel", re_count=1,
+    )
+
+
+def build_eval_transform(d: DataConfig, img_size: int):
+    return create_transform(input_size=img_size, is_training=False, interpolation=d.interpolation,
+                            crop_pct=d.eval_crop_ratio)
+
+
+def build_mixup(d: DataConfig, num_classes: int) -> Mixup | None:
+    """Batch Mixup/CutMix producing smoothed soft targets; None when both are off."""
+    if d.mixup <= 0 and d.cutmix <= 0:
+        return None
+    return Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob, switch_prob=d.mixup_switch_prob,
+                 mode="batch", label_smoothing=d.label_smoothing, num_classes=num_classes)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (timm's transforms draw from all three)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+MEAN, STD = IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD

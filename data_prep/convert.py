@@ -1,0 +1,314 @@
+"""ImageNet-style tree -> WebDataset tar shards or FFCV .beton files, with a manifest.
+
+Two phases per split, both parallel across processes and both resumable:
+1. check every image (decode it; convert CMYK/grey/PNG to RGB; list what cannot be read), cached in
+   ``.check-<split>.json`` so an interrupted run does not decode again;
+2. write outputs to a temporary name and rename when complete, so no half-written file ever looks
+   finished; finished outputs recorded in ``.state-<split>.json`` are not redone.
+``manifest.json`` (written last, atomically) records the source, options, class map, samples per class
+and per output file, every skipped file with its reason, and a sha256 per output file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import tarfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .scan import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class PrepOptions:
+    fmt: str = "wds"
+    """'wds' (tar shards of the original JPEG bytes) or 'ffcv' (.beton)."""
+    splits: tuple[str, ...] = ("train", "val")
+    subset_fraction: float = 1.0
+    """Table 2: keep the first floor(n_c * f) train files per class (sorted)."""
+    shard_size: int = 1000
+    """wds: samples per shard (shards differ by at most one sample)."""
+    seed: int = 0
+    """wds: the shuffle before sharding (ImageFolder order is by class)."""
+    # FFCV defaults for ViT training at 224: a 384 max side keeps a full-resolution 224 crop for any
+    # RandomResizedCrop covering >= 34% of the image and 256-resize + 224 centre crop at eval, while
+    # JPEG storage (q90) keeps ImageNet near 50 GB instead of ~400 GB of raw pixels at that size.
+    max_resolution: int = 384
+    jpeg_quality: int = 90
+    write_mode: str = "jpg"
+    """ffcv: 'jpg', 'raw', 'proportion' or 'smart'."""
+    strict: bool = False
+    """Fail instead of skipping unreadable files."""
+    workers: int = max(1, (os.cpu_count() or 1))
+    val_labels: str | None = None
+    val_synsets: str | None = None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _check_one(sample: tuple[str, int]) -> tuple[str, int, str | None, bool]:
+    path, label = sample
+    _, reason, converted = load_rgb_jpeg(path)
+    return path, label, reason, converted
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[rate]:>8} img/s"), TimeRemainingColumn(), transient=False)
+
+
+def _check_images(samples: list[Sample], out: Path, split: str, workers: int, key: str) -> tuple[list[Sample], list[dict]]:
+    cache = out / f".check-{split}.json"
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return [Sample(p, l) for p, l in cached["valid"]], cached["skipped"]
+    valid, skipped = [], []
+    t0 = time.time()
+    with _progress() as progress, ProcessPoolExecutor(workers) as pool:
+        task = progress.add_task(f"check {split}", total=len(samples), rate="")
+        results = pool.map(_check_one, [(s.path, s.label) for s in samples], chunksize=64)
+        for i, (path, label, reason, _) in enumerate(results, 1):
+            if reason is None:
+                valid.append(Sample(path, label))
+            else:
+                skipped.append({"path": path, "reason": reason})
+            if i % 256 == 0 or i == len(samples):
+                progress.update(task, completed=i, rate=f"{i / max(time.time() - t0, 1e-9):.0f}")
+    _write_json_atomic(cache, {"key": key, "valid": [[s.path, s.label] for s in valid], "skipped": skipped})
+    return valid, skipped
+
+
+# -- WebDataset -----------------------------------------------------------------------------------
+def _write_shard(job: tuple[str, list[tuple[int, str, int]]]) -> tuple[str, str, int]:
+    """Write one tar shard (tmp name, then rename). Members: <key>.jpg, <key>.cls."""
+    final, items = job
+    tmp = final + ".tmp"
+    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, path, label in items:
+            data, reason, _ = load_rgb_jpeg(path)
+            if data is None:  # changed since the check phase
+                raise PrepError(f"{path}: {reason} (the file changed during conversion)")
+            for ext, payload in (("jpg", data), ("cls", str(label).encode())):
+                info = tarfile.TarInfo(f"{key:09d}.{ext}")
+                info.size, info.mtime, info.mode = len(payload), 0, 0o444
+                tar.addfile(info, io.BytesIO(payload))
+    os.replace(tmp, final)
+    return final, sha256_file(Path(final)), len(items)
+
+
+def shard_plan(n: int, shard_size: int) -> list[int]:
+    """Shard sizes for n samples: ceil(n / shard_size) shards differing by at most one sample."""
+    n_shards = max(1, math.ceil(n / shard_size))
+    base, extra = divmod(n, n_shards)
+    return [base + (i < extra) for i in range(n_shards)]
+
+
+def _write_wds(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
+    order = list(range(len(samples)))
+    random.Random(opts.seed).shuffle(order)  # ImageFolder order is by class: shuffle before sharding
+    sizes = shard_plan(len(samples), opts.shard_size)
+    stem = f"{split}-f{opts.subset_fraction:g}-s{opts.shard_size}"
+    jobs, start = [], 0
+    for i, size in enumerate(sizes):
+        items = [(j, samples[j].path, samples[j].label) for j in order[start:start + size]]
+        jobs.append((str(out / f"{stem}-{i:06d}.tar"), items))
+        start += size
+    state_file = out / f".state-{split}.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    done = state.get("done", {}) if state.get("key") == key else {}
+    files = {}
+    todo = []
+    for final, items in jobs:
+        name = Path(final).name
+        if name in done and Path(final).is_file():  # finished before an interruption
+            files[name] = {"samples": len(items), "sha256": done[name],
+                           "per_class": _per_class([label for _, _, label in items])}
+        else:
+            todo.append((final, items))
+    per_class_of = {Path(f).name: _per_class([label for _, _, label in items]) for f, items in jobs}
+    t0 = time.time()
+    with _progress() as progress, ProcessPoolExecutor(opts.workers) as pool:
+        total = sum(len(items) for _, items in jobs)
+        task = progress.add_task(f"wds {split}", total=total, completed=total - sum(len(i) for _, i in todo), rate="")
+        written = 0
+        for final, sha, count in pool.map(_write_shard, todo):
+            name = Path(final).name
+            files[name] = {"samples": count, "sha256": sha, "per_class": per_class_of[name]}
+            done[name] = sha
+            _write_json_atomic(state_file, {"key": key, "done": done})
+            written += count
+            progress.update(task, advance=count, rate=f"{written / max(time.time() - t0, 1e-9):.0f}")
+    return dict(sorted(files.items()))
+
+
+def _per_class(labels: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[str(label)] = counts.get(str(label), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+
+
+# -- FFCV -------------------------------------------------------------------------------------------
+class _RGBDataset:
+    """Map-style (PIL RGB image, label) over checked samples, for ffcv's DatasetWriter."""
+
+    def __init__(self, samples: list[Sample]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        data, reason, _ = load_rgb_jpeg(self.samples[i].path)
+        if data is None:
+            raise PrepError(f"{self.samples[i].path}: {reason} (the file changed during conversion)")
+        return Image.open(io.BytesIO(data)).convert("RGB"), self.samples[i].label
+
+
+def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    name = f"{split}_{opts.max_resolution}_{opts.write_mode}_q{opts.jpeg_quality}_f{opts.subset_fraction:g}.beton"
+    final = out / name
+    state_file = out / f".state-{split}.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    per_class = _per_class([s.label for s in samples])
+    if state.get("key") == key and name in state.get("done", {}) and final.is_file():
+        return {name: {"samples": len(samples), "sha256": state["done"][name], "per_class": per_class}}
+    tmp = out / (name + ".tmp")
+    writer = DatasetWriter(str(tmp), {
+        "image": RGBImageField(write_mode=opts.write_mode, max_resolution=opts.max_resolution,
+                               jpeg_quality=opts.jpeg_quality),
+        "label": IntField(),
+    }, num_workers=opts.workers)
+    print(f"ffcv {split}: writing {len(samples)} images to {final}")
+    writer.from_indexed_dataset(_RGBDataset(samples))
+    os.replace(tmp, final)
+    sha = sha256_file(final)
+    _write_json_atomic(state_file, {"key": key, "done": {name: sha}})
+    return {name: {"samples": len(samples), "sha256": sha, "per_class": per_class}}
+
+
+# -- entry point ------------------------------------------------------------------------------------
+def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
+    """Convert ``src`` (ImageNet-style) into ``out``; returns the manifest."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise PrepError(f"source folder not found: {src}")
+    if opts.fmt not in ("wds", "ffcv"):
+        raise PrepError(f"unknown format {opts.fmt!r}; allowed: wds, ffcv")
+    classes = list_classes(src / "train")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": opts.fmt, "source": str(src.resolve()), "options": asdict(opts),
+                "classes": classes, "splits": {}}
+    for split in opts.splits:
+        if not (src / split).is_dir():
+            if split == "train":
+                raise PrepError(f"source has no train folder: {src / split}")
+            continue
+        samples, problems = scan_split(src, split, classes, Path(opts.val_labels) if opts.val_labels else None,
+                                       Path(opts.val_synsets) if opts.val_synsets else None)
+        if split == "train":
+            samples = subsample(samples, opts.subset_fraction)
+        if not samples:
+            raise PrepError(f"no images found in {src / split}")
+        key = hashlib.sha256(json.dumps([asdict(opts), [(s.path, s.label) for s in samples]]).encode()).hexdigest()
+        valid, skipped = _check_images(samples, out, split, opts.workers, key)
+        skipped = problems + skipped
+        for s in skipped:
+            print(f"skipped {s['path']}: {s['reason']}")
+        if skipped and opts.strict:
+            raise PrepError(f"{len(skipped)} unreadable or unlabelled input(s) in {src / split} under --strict; "
+                            f"first: {skipped[0]['path']}: {skipped[0]['reason']}")
+        if not valid:
+            raise PrepError(f"no readable images in {src / split}")
+        writer = _write_wds if opts.fmt == "wds" else _write_ffcv
+        files = writer(valid, out, split, opts, key)
+        manifest["splits"][split] = {
+            "num_samples": len(valid), "per_class": _per_class([s.label for s in valid]),
+            "files": files, "skipped": skipped,
+        }
+    (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
+    _write_json_atomic(out / MANIFEST, manifest)
+    return manifest
+
+
+def verify(out: str | Path) -> list[str]:
+    """Re-read every output file and check it against the manifest. Returns the problems found."""
+    out = Path(out)
+    mf = out / MANIFEST
+    if not mf.is_file():
+        return [f"no {MANIFEST} in {out}"]
+    manifest = json.loads(mf.read_text())
+    problems = []
+    n_classes = len(manifest["classes"])
+    for split, info in manifest["splits"].items():
+        counts: dict[str, int] = {}
+        for name, rec in info["files"].items():
+            path = out / name
+            if not path.is_file():
+                problems.append(f"{path}: missing")
+                continue
+            if sha256_file(path) != rec["sha256"]:
+                problems.append(f"{path}: checksum differs from the manifest (corrupt or changed)")
+            try:
+                labels = _read_labels(path, manifest["format"])
+            except Exception as e:  # a truncated tar or beton is reported, not raised
+                problems.append(f"{path}: unreadable ({type(e).__name__}: {e})")
+                continue
+            if len(labels) != rec["samples"]:
+                problems.append(f"{path}: {len(labels)} samples, manifest says {rec['samples']}")
+            if any(not 0 <= label < n_classes for label in labels):
+                problems.append(f"{path}: labels outside 0..{n_classes - 1}")
+            for k, v in _per_class(labels).items():
+                counts[k] = counts.get(k, 0) + v
+        if counts != info["per_class"] and not any(split in p for p in problems):
+            problems.append(f"{split}: samples per class differ from the manifest")
+    return problems
+
+
+def _read_labels(path: Path, fmt: str) -> list[int]:
+    if fmt == "ffcv":
+        from ffcv.reader import Reader
+
+        return _ffcv_labels(Reader(str(path)))
+    labels = []
+    with tarfile.open(path, "r") as tar:
+        for member in tar:
+            if member.name.endswith(".cls"):
+                labels.append(int(tar.extractfile(member).read()))
+            elif member.name.endswith(".jpg"):
+                tar.extractfile(member).read()  # read the bytes: a truncated member raises
+    return labels
+
+
+def _ffcv_labels(reader) -> list[int]:
+    # IntField values live in the metadata table, one row per sample.
+    return [int(v) for v in reader.metadata["f1"]]
