@@ -122,7 +122,10 @@ class MapStyleLoader:
             idx = eval_positions(self.num_samples, s)[0]
         idx = idx[: self._len * b][start_batch * b:]
         base = start_batch * b
-        items = [(int(i), sample_seed(s.seed, epoch, s.rank, base + k)) for k, i in enumerate(idx)]
+        # Seeded by the view's global position (rank + k * world): the same sample gets the same
+        # augmentation whatever the world size, so runs on 1 and on N ranks see identical batches.
+        items = [(int(i), sample_seed(s.seed, epoch, 0, s.rank + (base + k) * s.world_size))
+                 for k, i in enumerate(idx)]
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train,
                             num_workers=self.d.num_workers, persistent_workers=False)
         yield from loader

@@ -1,0 +1,59 @@
+"""What the paper measures inside the model: gating, attention maps, nonlocality (SPEC section 5)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.convit import GPSA, ConViT, relative_positions
+
+
+def gating(model: ConViT) -> list[list[float]]:
+    """sigmoid(lambda_h) per GPSA layer and head (Fig. 6)."""
+    return [blk.attn.gating().tolist() for blk in model.gpsa_blocks()]
+
+
+@torch.no_grad()
+def attention_maps(model: ConViT, images: torch.Tensor, mask_content_layers: int = 0,
+                   mask_position_layers: int = 0) -> list[torch.Tensor]:
+    """Per layer, the (B, H, L, L) attention among patch tokens for these images.
+
+    For plain attention layers the patch-to-patch block of the (T, T) map is returned. The masking
+    arguments apply the paper's test-time masking to the first k GPSA layers (Tables 5 and 6).
+    """
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [blk.norm1.register_forward_hook(lambda m, a, out, i=i: inputs.__setitem__(i, out))
+             for i, blk in enumerate(model.blocks)]
+    try:
+        model.eval()
+        model.forward_features(images)
+    finally:
+        for h in hooks:
+            h.remove()
+    maps, n_patches, gpsa_seen = [], model.patch_embed.num_patches, 0
+    for i, blk in enumerate(model.blocks):
+        if isinstance(blk.attn, GPSA):
+            maps.append(blk.attn.attention_map(inputs[i], mask_content=gpsa_seen < mask_content_layers,
+                                               mask_position=gpsa_seen < mask_position_layers))
+            gpsa_seen += 1
+        else:
+            maps.append(blk.attn.attention_map(inputs[i])[:, :, -n_patches:, -n_patches:])
+    return maps
+
+
+def nonlocality_of(attn: torch.Tensor, grid_size: int) -> torch.Tensor:
+    """Eq. 8 per head: D_loc = (1/L) sum_ij A_ij ||delta_ij|| in patch units, averaged over the batch."""
+    dist = relative_positions(grid_size, device=attn.device)[..., 2].sqrt()  # (L, L)
+    return (attn.float() * dist).sum(dim=(-1, -2)).mean(dim=0) / attn.shape[-1]  # (H,)
+
+
+@torch.no_grad()
+def nonlocality(model: ConViT, images: torch.Tensor) -> list[float]:
+    """Nonlocality per layer (mean over heads), for GPSA and plain attention layers alike (Fig. 5)."""
+    return [nonlocality_of(a, model.grid_size).mean().item() for a in attention_maps(model, images)]
+
+
+@torch.no_grad()
+def attention_distance_px(model: ConViT, images: torch.Tensor) -> list[list[float]]:
+    """Mean attention distance per head in pixels (Raghu et al.): nonlocality x patch size."""
+    patch = model.patch_embed.patch_size[0]
+    return [(nonlocality_of(a, model.grid_size) * patch).tolist() for a in attention_maps(model, images)]

@@ -1,0 +1,64 @@
+"""FSDP2 (``fully_shard``), optionally HSDP across node groups, with DCP checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from .base import Strategy, clip_and_norm
+from .ddp import DCPStateMixin
+
+
+class FSDP2Strategy(DCPStateMixin, Strategy):
+    name = "fsdp2"
+
+    def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
+        p, model = self.p, self.model
+        if p.hsdp_replicas > 1:
+            if self.world_size % p.hsdp_replicas:
+                raise ValueError(f"parallel.hsdp_replicas = {p.hsdp_replicas} does not divide the world size {self.world_size}")
+            mesh = init_device_mesh(self.device.type, (p.hsdp_replicas, self.world_size // p.hsdp_replicas),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = None
+        if p.precision == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction and master weights
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        elif p.precision == "fp16":
+            raise ValueError("parallel.precision = 'fp16' is not supported with fsdp2; use 'bf16' (or zero1/2/3 for fp16)")
+        kwargs = dict(mesh=mesh, reshard_after_forward=p.reshard_after_forward)
+        if mp is not None:
+            kwargs["mp_policy"] = mp
+        # Order matters (as in torchtitan): activation checkpointing -> compile -> shard blocks -> shard root.
+        if p.activation_checkpointing:
+            model.set_grad_checkpointing(True)
+        for i, block in enumerate(model.blocks):
+            if p.compile:
+                model.blocks[i] = block = torch.compile(block)
+            fully_shard(block, **kwargs)
+        # The root keeps patch embedding, tokens, norm and head; it need not reshard after forward.
+        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+        if p.meta_init:  # built on the meta device: materialise the local shards, then initialise them
+            model.to_empty(device=self.device)
+            model.init_weights()
+        self.optimizer = optimizer_fn(model)
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts parameters and inputs
+
+    def forward(self, x):
+        return self.model(x)
+
+    def backward(self, loss, is_last_micro, grad_accum):
+        # Accumulate locally; reduce-scatter only on the last micro-batch of the step.
+        self.model.set_requires_gradient_sync(is_last_micro)
+        (loss / grad_accum).backward()
+
+    def step(self):
+        norm = clip_and_norm(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm

@@ -1,0 +1,1 @@
+"""The training loop, schedules, optimizer groups, checkpoints and distributed start-up."""

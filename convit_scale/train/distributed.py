@@ -1,0 +1,105 @@
+"""Process-group start-up for every launcher: alone, torchrun, Slurm srun, accelerate launch.
+
+- torchrun / accelerate set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+- srun (one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is the first host
+  of SLURM_JOB_NODELIST and the port is derived from SLURM_JOB_ID (several jobs can share a node).
+- alone: a one-process group on a free local port, so every code path is the same.
+NCCL on GPUs, gloo on CPU, unless the recipe says otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_master_addr() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    if os.environ.get("SLURM_MASTER_ADDR"):  # set by slurm/launch.sh when hosts share one address
+        return os.environ["SLURM_MASTER_ADDR"]
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True).stdout.split()
+        return hosts[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "127.0.0.1"
+
+
+def _env_from_slurm() -> str:
+    """Fill torch's env:// variables from Slurm's when srun started us directly."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else ("env" if "RANK" in os.environ else "alone")
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_ADDR", slurm_master_addr())
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+    return "srun"
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
+    launcher = _env_from_slurm()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("parallel.backend = 'nccl' needs CUDA GPUs; none are visible (use 'gloo' or 'auto')")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(rank, world, local_rank, device, backend, launcher)
+
+
+def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> tuple[int, int]:
+    """(micro_batch, grad_accumulation) with micro x accumulation x world = global batch, exactly."""
+    if global_batch % world_size:
+        raise ValueError(f"data.global_batch_size = {global_batch} cannot be split over {world_size} ranks "
+                         f"(not divisible); choose a world size that divides it")
+    per_rank = global_batch // world_size
+    if micro_batch is None:
+        return per_rank, 1
+    if per_rank % micro_batch:
+        raise ValueError(f"data.micro_batch_size = {micro_batch} does not divide the {per_rank} images per rank "
+                         f"(global batch {global_batch} over {world_size} ranks)")
+    return micro_batch, per_rank // micro_batch
+
+
+def all_reduce_max(flag: bool | float, device: torch.device) -> float:
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
