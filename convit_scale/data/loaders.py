@@ -57,6 +57,12 @@ def eval_positions(num_samples: int, spec: LoaderSpec) -> tuple[np.ndarray, int]
     return np.arange(start, start + v) % num_samples, max(0, min(v, num_samples - start))
 
 
+def _private_generator(seed: int, epoch: int) -> torch.Generator:
+    """DataLoader draws worker seeds from a generator: keep it off the global RNG, so creating an
+    iterator in the middle of an epoch (a resume) leaves the training step's random numbers alone."""
+    return torch.Generator().manual_seed(seed * 1000003 + epoch)
+
+
 def _decode(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
@@ -127,7 +133,8 @@ class MapStyleLoader:
         items = [(int(i), sample_seed(s.seed, epoch, 0, s.rank + (base + k) * s.world_size))
                  for k, i in enumerate(idx)]
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train,
-                            num_workers=self.d.num_workers, persistent_workers=False)
+                            num_workers=self.d.num_workers, persistent_workers=False,
+                            generator=_private_generator(s.seed, epoch))
         yield from loader
 
 
@@ -298,7 +305,8 @@ class WdsLoader:
 
     def epoch(self, epoch: int, start_batch: int = 0):
         workers = min(self.d.num_workers, self._len)
-        loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, num_workers=workers)
+        loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, num_workers=workers,
+                            generator=_private_generator(self.spec.seed, epoch))
         yield from loader
 
 

@@ -1,0 +1,76 @@
+"""Shared fixtures: the embedded Fashion-MNIST at test size, converted once per session by data_prep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@pytest.fixture(scope="session")
+def fm_tree(tmp_path_factory) -> Path:
+    """Fashion-MNIST as an ImageNet-style tree: 100 train and 20 val images per class."""
+    from data_prep.fashion_mnist import build_tree
+
+    return build_tree(tmp_path_factory.mktemp("fm") / "tree", {"train": 100, "val": 20})
+
+
+@pytest.fixture(scope="session")
+def fm_wds(fm_tree, tmp_path_factory) -> Path:
+    from data_prep import PrepOptions, prepare
+
+    out = tmp_path_factory.mktemp("fm_wds")
+    prepare(fm_tree, out, PrepOptions(fmt="wds", shard_size=96, workers=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def fm_ffcv(fm_tree, tmp_path_factory) -> Path:
+    from data_prep import PrepOptions, prepare
+
+    out = tmp_path_factory.mktemp("fm_ffcv")
+    prepare(fm_tree, out, PrepOptions(fmt="ffcv", workers=2))
+    return out
+
+
+def tiny_recipe(path: Path, fmt: str, data_dir: Path, out: Path, **sections) -> Path:
+    """A CPU recipe on the embedded data; ``sections`` override whole keys ({'parallel': {...}})."""
+    import yaml
+
+    recipe = {
+        "model": {"name": "convit_nano", "num_classes": 10, "drop_path_rate": 0.1},
+        "data": {"format": fmt, "train_path": str(data_dir), "val_path": str(data_dir), "global_batch_size": 32,
+                 "eval_batch_size": 50, "num_workers": 0, "repeated_aug": 1},
+        "schedule": {"epochs": 2, "warmup_epochs": 1},
+        "parallel": {"strategy": "fsdp2", "precision": "fp32", "timeout_s": 60},
+        "log": {"every_steps": 1, "progress": False},
+        "run": {"output_dir": str(out)},
+    }
+    for section, values in sections.items():
+        recipe.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([PY, "-m", "convit_scale.cli", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+
+
+def records(out: Path, kind: str = "train") -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in records(out)]

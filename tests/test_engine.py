@@ -1,0 +1,220 @@
+"""Training engine with real torch.distributed (gloo), FSDP2 and DeepSpeed on 2 CPU processes."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import PY, REPO, losses, records, run_cli, tiny_recipe
+from convit_scale.config import ScheduleConfig
+from convit_scale.models import create_model
+from convit_scale.train.distributed import solve_batch
+from convit_scale.train.optim import param_groups
+from convit_scale.train.schedule import lr_at, peak_lr
+
+EXACT = {"drop_path_rate": 0.0}
+NO_MIX = {"mixup": 0.0, "cutmix": 0.0}
+
+
+# -- pure pieces -----------------------------------------------------------------------------------
+def test_schedule_against_hand_written_table():
+    s = ScheduleConfig(epochs=10, warmup_epochs=2, warmup_lr=1e-6, min_lr=1e-5)
+    peak = 1e-3
+    # steps_per_epoch 10: warmup over steps 0..19, cosine over 20..99
+    table = {0: 1e-6, 10: 1e-6 + (1e-3 - 1e-6) * 0.5, 20: 1e-3, 60: 1e-5 + 0.5 * (1e-3 - 1e-5), 100: 1e-5, 150: 1e-5}
+    for step, want in table.items():
+        assert math.isclose(lr_at(step, peak, 10, s), want, rel_tol=1e-12), step
+    assert lr_at(99, peak, 10, s) > 1e-5
+    assert peak_lr(5e-4, 1024) == 1e-3 and peak_lr(4e-4, 512) == 4e-4
+
+
+def test_weight_decay_groups():
+    model = create_model("convit_nano")
+    groups = {g["group"]: g for g in param_groups(model, 0.05)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+    decay = {names[id(p)] for p in groups["decay"]["params"]}
+    for n in ("pos_embed", "cls_token", "blocks.0.attn.gating_param", "blocks.0.norm1.weight", "head.bias",
+              "blocks.0.attn.pos_proj.bias"):
+        assert n in no_decay, n
+    for n in ("blocks.0.attn.qk.weight", "blocks.2.attn.qkv.weight", "head.weight", "patch_embed.proj.weight"):
+        assert n in decay, n
+    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.05
+
+
+def test_global_batch_is_solved_or_refused():
+    assert solve_batch(1024, 8, None) == (128, 1)
+    assert solve_batch(1024, 8, 32) == (32, 4)
+    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+        solve_batch(1024, 3, None)
+    with pytest.raises(ValueError, match="does not divide"):
+        solve_batch(1024, 8, 48)
+
+
+# -- real multi-process runs -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_losses(fm_tree, tmp_path_factory):
+    """One process, strategy none, the whole global batch in one micro-batch."""
+    d = tmp_path_factory.mktemp("ref")
+    r = tiny_recipe(d / "r.yaml", "imagefolder", fm_tree, d / "out", model=EXACT, data=NO_MIX,
+                    parallel={"strategy": "none"}, schedule={"max_steps": 4})
+    res = run_cli("train", "--recipe", str(r))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = losses(d / "out")
+    assert len(got) == 4 and all(math.isfinite(x) for x in got)
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,micro", [("ddp", None), ("fsdp2", None), ("fsdp2", 8), ("zero1", None),
+                                            ("zero2", None), ("zero3", None)])
+def test_two_ranks_match_single_process(fm_tree, tmp_path, reference_losses, strategy, micro):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT,
+                    data={**NO_MIX, "micro_batch_size": micro}, parallel={"strategy": strategy},
+                    schedule={"max_steps": 4})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    accum = 1 if micro is None else 16 // micro
+    assert f"micro {micro or 16} x accumulation {accum} x world 2" in res.stdout
+    got = losses(tmp_path / "out")
+    assert len(got) == 4
+    for a, b in zip(got, reference_losses):
+        assert abs(a - b) < 1e-5, (strategy, got, reference_losses)
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_fsdp2_wds(fm_wds, tmp_path):
+    """Stopped at step 3 and resumed: the same per-step losses as an uninterrupted run (workers 2)."""
+    kw = dict(data={"num_workers": 2, "rand_augment": "rand-m9-mstd0.5-inc1"}, checkpoint={"every_steps": 3})
+    full = tiny_recipe(tmp_path / "a.yaml", "wds", fm_wds, tmp_path / "a", schedule={"max_steps": 6}, **kw)
+    assert run_cli("train", "--recipe", str(full), "--nproc-per-node", "2").returncode == 0
+    part = tiny_recipe(tmp_path / "b.yaml", "wds", fm_wds, tmp_path / "b", schedule={"max_steps": 3}, **kw)
+    assert run_cli("train", "--recipe", str(part), "--nproc-per-node", "2").returncode == 0
+    res = run_cli("train", "--recipe", str(part), "--nproc-per-node", "2", "schedule.max_steps=6")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "step_000000003" in res.stdout
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")  # bit-identical, fp32 on CPU
+    assert len(losses(tmp_path / "a")) == 6
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_from_two_ranks_onto_one(fm_tree, tmp_path, reference_losses):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT, data=NO_MIX,
+                    schedule={"max_steps": 2})
+    assert run_cli("train", "--recipe", str(r), "--nproc-per-node", "2").returncode == 0
+    res = run_cli("train", "--recipe", str(r), "schedule.max_steps=4")  # one process now
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "1 rank(s)" in res.stdout and "resumed from" in res.stdout
+    got = losses(tmp_path / "out")
+    assert len(got) == 4
+    for a, b in zip(got, reference_losses):  # same data position, resharded state
+        assert abs(a - b) < 1e-5
+
+
+@pytest.mark.slow
+def test_nan_policy_skip_and_stop(fm_tree, tmp_path):
+    r = tiny_recipe(tmp_path / "skip.yaml", "imagefolder", fm_tree, tmp_path / "skip", schedule={"max_steps": 4})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_NAN_AT_STEP": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = records(tmp_path / "skip")
+    assert recs[1]["loss"] is None and recs[1]["skipped_steps"] == 1 and recs[-1]["skipped_steps"] == 1
+    assert all(math.isfinite(x["loss"]) for i, x in enumerate(recs) if i != 1)
+    assert records(tmp_path / "skip", "end")[0]["skipped_steps"] == 1
+
+    # stop: the good checkpoint of step 2 stays the newest; nothing is written after the NaN
+    r = tiny_recipe(tmp_path / "stop.yaml", "imagefolder", fm_tree, tmp_path / "stop", schedule={"max_steps": 6},
+                    run={"nonfinite_policy": "stop"}, checkpoint={"every_steps": 1, "keep_last": 5})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_NAN_AT_STEP": "2"})
+    assert res.returncode != 0 and "non-finite loss at step 2" in res.stderr
+    ckpts = sorted(p.name for p in (tmp_path / "stop" / "checkpoints").iterdir())
+    assert ckpts == ["step_000000001", "step_000000002"]
+    meta = json.loads((tmp_path / "stop" / "checkpoints" / "step_000000002" / "meta.json").read_text())
+    assert meta["step"] == 2
+
+
+def _torchrun(recipe, *overrides):
+    from convit_scale.train.distributed import free_port
+
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "convit_scale.train", "--recipe", str(recipe), *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_for_steps(out, n, proc, timeout=180):
+    t0 = time.time()
+    while len(records(out)) < n:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() - t0 < timeout
+        time.sleep(0.2)
+
+
+def _workers(proc):
+    import psutil
+
+    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "convit_scale.train" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+def test_stop_signal_saves_and_exits_for_requeue_then_resumes(fm_tree, tmp_path):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", schedule={"max_steps": 200})
+    proc = _torchrun(r)
+    _wait_for_steps(tmp_path / "out", 2, proc)
+    for w in _workers(proc):  # Slurm's --signal=USR1@T reaches every task
+        w.send_signal(signal.SIGUSR1)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+    stopped = records(tmp_path / "out", "stopped")
+    assert len(stopped) == 1 and (tmp_path / "out" / "STOPPED_FOR_REQUEUE").is_file()
+    step = stopped[0]["step"]
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", f"schedule.max_steps={step + 2}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"at step {step}" in res.stdout
+    assert records(tmp_path / "out", "end")[0]["step"] == step + 2
+    assert not (tmp_path / "out" / "STOPPED_FOR_REQUEUE").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job(fm_tree, tmp_path):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", schedule={"max_steps": 500})
+    proc = _torchrun(r)
+    _wait_for_steps(tmp_path / "out", 2, proc)
+    victim = max(_workers(proc), key=lambda p: p.pid)
+    victim.kill()
+    t0 = time.time()
+    proc.wait(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 120  # the survivor did not hang
+
+
+def test_bad_recipe_is_refused_before_any_process(tmp_path, fm_tree):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "zero9"})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    assert res.returncode == 2 and "parallel.strategy = 'zero9' is not allowed" in res.stderr
+    assert "torch.distributed" not in res.stderr and not (tmp_path / "out").exists()
+    r = tiny_recipe(tmp_path / "r2.yaml", "imagefolder", tmp_path / "nowhere", tmp_path / "out")
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+@pytest.mark.slow
+def test_export_loads_into_plain_model(fm_tree, tmp_path):
+    from convit_scale.models import load_pretrained
+    from convit_scale.train.export import consolidate
+
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "zero3"},
+                    schedule={"max_steps": 2})
+    assert run_cli("train", "--recipe", str(r), "--nproc-per-node", "2").returncode == 0
+    ckpt = tmp_path / "out" / "checkpoints" / "step_000000002"
+    res = run_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.safetensors"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    model = create_model("convit_nano", num_classes=10, pretrained_file=str(tmp_path / "m.safetensors"))
+    fresh = create_model("convit_nano", num_classes=10)
+    assert not torch.equal(model.head.weight, fresh.head.weight)  # trained weights, not the init
+    state = consolidate(ckpt)
+    load_pretrained(fresh, state)
+    assert torch.equal(fresh.head.weight, model.head.weight)
