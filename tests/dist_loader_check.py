@@ -1,0 +1,34 @@
+"""Run under torchrun: one epoch (or a resumed part) of a loader per rank, results to JSON per rank."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from convit_scale.config import DataConfig
+from convit_scale.data import LoaderSpec, build_loader
+
+
+def main(fmt: str, path: str, out: str, workers: int, repeats: int) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = DataConfig(format=fmt, train_path=path, val_path=path, num_workers=workers, repeated_aug=repeats)
+    result = {}
+    for split, batch in (("train", 16), ("val", 24)):
+        loader = build_loader(d, LoaderSpec(split, 32, batch, world, rank, seed=0))
+        for epoch in (0, 1):
+            labels, shapes = [], set()
+            for x, y in loader.epoch(epoch):
+                labels.append(y.tolist())
+                shapes.add(tuple(x.shape[1:]))
+            result[f"{split}{epoch}"] = {"batches": labels, "len": len(loader), "num_real": loader.num_real,
+                                         "shapes": sorted(shapes)}
+        if split == "train":  # resume: batches from 5 on equal the uninterrupted epoch's
+            result["resumed"] = [y.tolist() for _, y in loader.epoch(0, start_batch=5)]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -1,0 +1,207 @@
+"""Converters (manifest, bad input, resume, verify) and loaders (per-rank equality, coverage, resume)."""
+
+import collections
+import io
+import json
+import os
+import subprocess
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import PY, REPO, run_cli
+from convit_scale.config import DataConfig
+from convit_scale.data import DataError, LoaderSpec, build_loader
+from convit_scale.data.plan import rank_indices
+from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
+from data_prep.scan import subsample
+
+
+def _jpeg(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:
+    buf = io.BytesIO()
+    img = Image.new("RGB", size, color)
+    if mode != "RGB":
+        img = img.convert(mode)
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture()
+def messy_tree(tmp_path):
+    """An ImageNet-like tree with the real-world oddities of ImageNet, and broken files."""
+    root = tmp_path / "src"
+    for split, n in (("train", 6), ("val", 2)):
+        for c in ("n01", "n02", "n03"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                (root / split / c / f"{c}_{i}.JPEG").write_bytes(_jpeg((i * 40, 10, 200)))
+    t = root / "train"
+    (t / "n01" / "cmyk.JPEG").write_bytes(_jpeg(mode="CMYK"))
+    (t / "n01" / "grey.JPEG").write_bytes(_jpeg(mode="L"))
+    (t / "n02" / "png_named.JPEG").write_bytes(_jpeg(fmt="PNG"))
+    (t / "n02" / "empty.JPEG").write_bytes(b"")
+    (t / "n03" / "truncated.JPEG").write_bytes(_jpeg(size=(200, 200))[:300])
+    (t / "n03" / "text.JPEG").write_bytes(b"this is not an image")
+    (t / "n04").mkdir()  # an empty class folder
+    return root
+
+
+def test_bad_inputs_are_converted_or_skipped_and_listed(messy_tree, tmp_path):
+    out = tmp_path / "wds"
+    m = prepare(messy_tree, out, PrepOptions(fmt="wds", shard_size=5, workers=2))
+    train = m["splits"]["train"]
+    assert m["classes"] == ["n01", "n02", "n03", "n04"]
+    # 3 x 6 good + CMYK + grey + PNG (converted to RGB JPEG)
+    assert train["num_samples"] == 21
+    assert train["per_class"] == {"0": 8, "1": 7, "2": 6}
+    reasons = {os.path.basename(s["path"]): s["reason"] for s in train["skipped"]}
+    assert reasons["empty.JPEG"] == "empty file"
+    assert reasons["truncated.JPEG"].startswith("undecodable") and reasons["text.JPEG"].startswith("undecodable")
+    assert reasons["n04"] == "empty class folder"
+    assert verify(out) == []
+    sizes = [rec["samples"] for rec in train["files"].values()]
+    assert sizes == shard_plan(21, 5) and max(sizes) - min(sizes) <= 1
+    assert all(name.startswith("train-f1-s5-") for name in train["files"])
+    # every stored image is an RGB JPEG
+    name = sorted(train["files"])[0]
+    with tarfile.open(out / name) as tar:
+        jpgs = [tar.extractfile(mm).read() for mm in tar if mm.name.endswith(".jpg")]
+    assert all(Image.open(io.BytesIO(b)).mode == "RGB" and Image.open(io.BytesIO(b)).format == "JPEG" for b in jpgs)
+    assert (out / "classes.txt").read_text().splitlines()[1] == "1\tn02"
+
+
+def test_strict_missing_and_empty_sources(messy_tree, tmp_path):
+    with pytest.raises(PrepError, match="under --strict"):
+        prepare(messy_tree, tmp_path / "o", PrepOptions(fmt="wds", strict=True, workers=1))
+    with pytest.raises(PrepError, match="source folder not found"):
+        prepare(tmp_path / "nope", tmp_path / "o2", PrepOptions())
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    with pytest.raises(PrepError, match="no class folders"):
+        prepare(tmp_path / "empty", tmp_path / "o3", PrepOptions())
+    res = run_cli("prep", "wds", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o4"))
+    assert res.returncode == 2 and res.stderr.strip() == f"error: source folder not found: {tmp_path / 'nope'}"
+
+
+def test_flat_val_with_kaggle_labels(tmp_path):
+    root = tmp_path / "src"
+    for c in ("n01", "n02"):
+        (root / "train" / c).mkdir(parents=True)
+        (root / "train" / c / "a.JPEG").write_bytes(_jpeg())
+    (root / "val").mkdir()
+    for i, wnid in enumerate(["n02", "n01", "n02"]):
+        (root / "val" / f"ILSVRC2012_val_{i:08d}.JPEG").write_bytes(_jpeg())
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"ILSVRC2012_val_{i:08d},{w} 1 2 3 4\n" for i, w in enumerate(["n02", "n01", "n02"])))
+    m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1))
+    assert m["splits"]["val"]["per_class"] == {"0": 1, "1": 2}
+
+
+def test_interrupted_conversion_resumes_without_redoing(fm_tree, tmp_path):
+    out = tmp_path / "w"
+    prepare(fm_tree, out, PrepOptions(fmt="wds", shard_size=100, workers=2, splits=("train",)))
+    shards = sorted(out.glob("train-*.tar"))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[3].unlink()  # as if interrupted before this shard was written
+    (out / "manifest.json").unlink()
+    (out / "junk.tar.tmp").write_bytes(b"half")  # a half-written temp file never counts
+    prepare(fm_tree, out, PrepOptions(fmt="wds", shard_size=100, workers=2, splits=("train",)))
+    for p in sorted(out.glob("train-*.tar")):
+        if p.name != shards[3].name:
+            assert p.stat().st_mtime_ns == mtimes[p.name], p.name  # not redone
+    assert shards[3].is_file() and verify(out) == []
+
+
+def test_verify_catches_a_corrupted_shard_and_loader_refuses_a_truncated_one(fm_tree, tmp_path):
+    out = tmp_path / "w"
+    prepare(fm_tree, out, PrepOptions(fmt="wds", shard_size=250, workers=2))
+    shard = sorted(out.glob("train-*.tar"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # truncated
+    problems = verify(out)
+    assert any(shard.name in p and "checksum" in p for p in problems)
+    res = run_cli("prep", "verify", str(out))
+    assert res.returncode == 1 and shard.name in res.stderr
+    d = DataConfig(format="wds", train_path=str(out), val_path=str(out), num_workers=0, repeated_aug=1)
+    loader = build_loader(d, LoaderSpec("train", 32, 50))
+    with pytest.raises(DataError, match="truncated or corrupt shard"):
+        for _ in loader.epoch(0):
+            pass
+
+
+def test_table2_subset_keeps_first_files_per_class():
+    from data_prep.scan import Sample
+
+    samples = [Sample(f"c{c}/{i:03d}.JPEG", c) for c in range(3) for i in (5, 1, 9, 3, 7, 2, 8)]
+    kept = subsample(samples, 0.3)  # floor(7 * 0.3) = 2 per class, the first in sorted order
+    assert [s.path for s in kept] == ["c0/001.JPEG", "c0/002.JPEG", "c1/001.JPEG", "c1/002.JPEG",
+                                      "c2/001.JPEG", "c2/002.JPEG"]
+
+
+def test_epoch_plan_coverage_padding_and_repeats():
+    for n, world in ((1000, 2), (1001, 4), (7, 3)):
+        parts = [rank_indices(n, world, r, seed=0, epoch=0) for r in range(world)]
+        assert len({len(p) for p in parts}) == 1  # equal per rank
+        counts = collections.Counter(np.concatenate(parts).tolist())
+        assert set(counts) == set(range(n))  # every sample once ...
+        assert sum(counts.values()) - n <= world - 1  # ... up to padding of at most world - 1
+    a, b = rank_indices(100, 2, 0, 0, 0), rank_indices(100, 2, 0, 0, 1)
+    assert not np.array_equal(a, b) and np.array_equal(a, rank_indices(100, 2, 0, 0, 0))
+    rep = np.concatenate([rank_indices(99, 3, r, 0, 0, repeats=3) for r in range(3)])
+    assert len(rep) == 99 and set(collections.Counter(rep.tolist()).values()) == {3}  # 33 images x 3
+
+
+def test_transforms_shapes_and_ranges(fm_tree):
+    lo, hi = (0 - 0.485) / 0.229 - 1e-4, (1 - 0.406) / 0.225 + 1e-4  # ImageNet-normalised [0, 1] pixels
+    for reprob in (0.0, 1.0):
+        d = DataConfig(format="imagefolder", train_path=str(fm_tree), val_path=str(fm_tree), num_workers=0,
+                       reprob=reprob)
+        for split in ("train", "val"):
+            x, y = next(iter(build_loader(d, LoaderSpec(split, 32, 8)).epoch(0)))
+            assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.long
+            assert torch.isfinite(x).all() and ((0 <= y) & (y < 10)).all()
+            in_range = bool(((lo <= x) & (x <= hi)).all())
+            # random erasing (pixel mode) writes N(0, 1) noise: only then values leave the range
+            assert in_range == (split == "val" or reprob == 0.0)
+
+
+def test_wds_url_locations_stream_through_pipe(fm_wds):
+    d = DataConfig(format="wds", train_path=f"pipe:cat {fm_wds}/{{name}}", val_path=str(fm_wds), num_workers=0)
+    loader = build_loader(d, LoaderSpec("train", 32, 16))
+    x, y = next(iter(loader.epoch(0)))
+    assert x.shape == (16, 3, 32, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["wds", "ffcv"])
+def test_two_ranks_two_workers_equal_batches_and_coverage(fmt, fm_wds, fm_ffcv, tmp_path):
+    from convit_scale.train.distributed import free_port
+
+    path = fm_wds if fmt == "wds" else fm_ffcv
+    manifest = json.loads((path / "manifest.json").read_text())
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(REPO / "tests" / "dist_loader_check.py"), fmt, str(path),
+           str(tmp_path), "2", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for split in ("train", "val"):
+        want = collections.Counter({int(k): v for k, v in manifest["splits"][split]["per_class"].items()})
+        for epoch in (0, 1):
+            key = f"{split}{epoch}"
+            assert len(ranks[0][key]["batches"]) == len(ranks[1][key]["batches"]) == ranks[0][key]["len"]
+            assert ranks[0][key]["shapes"] == [[3, 32, 32]]
+            got = collections.Counter()
+            for r in ranks:
+                labels = [label for batch in r[key]["batches"] for label in batch][: r[key]["num_real"]]
+                got.update(labels)
+            if split == "val":
+                assert got == want  # exact: every image once, padding not counted
+            else:  # 1000 images, batches of 16 on 2 ranks: 496 per rank, 8 dropped in total
+                assert sum(got.values()) == 992 and all(want[c] - got[c] >= 0 for c in want)
+        if split == "train":  # a new order each epoch
+            assert ranks[0]["train0"]["batches"] != ranks[0]["train1"]["batches"]
+    for r in ranks:  # resume position: the rest of the epoch is the same batches
+        assert r["resumed"] == r["train0"]["batches"][5:]
