@@ -119,45 +119,26 @@ def _add_train(sub) -> None:
 
 
 # -- eval / export -----------------------------------------------------------------------------------------
-def _load_any_checkpoint(path: Path) -> tuple[dict, dict | None]:
-    """(model state dict, run config or None) from a run checkpoint dir, an exported file or weights."""
-    import json
-
-    if path.is_dir():
-        from .train.export import consolidate
-
-        meta = json.loads((path / "meta.json").read_text())
-        return consolidate(path), meta["config"]
-    from .models import read_state_dict
-
-    return read_state_dict(path), None
-
-
 def _cmd_eval(args) -> int:
     import torch
 
     from .config import DataConfig
     from .data import LoaderSpec, build_loader
-    from .models import MODELS, create_model, load_pretrained
+    from .models import MODELS, read_state_dict
     from .models.checkpoints import check_state_dict
 
-    state, run_cfg = _load_any_checkpoint(Path(args.checkpoint))
-    name = args.model or (run_cfg["model"]["name"] if run_cfg else None)
-    if name is None:
-        print("error: --model is needed for a weights file", file=sys.stderr)
-        return 2
-    if name in MODELS:
-        opts = {k: v for k, v in (run_cfg or {}).get("model", {}).items()
-                if k in ("num_classes", "img_size", "local_up_to_layer", "distill_token") and v is not None}
-        if args.num_classes:
-            opts["num_classes"] = args.num_classes
-        model = create_model(name, **opts)
-        load_pretrained(model, state)
-        img_size = opts.get("img_size") or MODELS[name].img_size
+    if args.model is None or args.model in MODELS:
+        from .train.export import load_trained_model
+
+        model = load_trained_model(args.checkpoint, args.model, args.num_classes)
+        name = args.model or "model"
+        img_size = model.patch_embed.img_size[0]
     else:  # any timm architecture, e.g. a distillation teacher (regnety_160)
         import timm
 
+        name = args.model
         model = timm.create_model(name, pretrained=False, num_classes=args.num_classes or 1000)
+        state = read_state_dict(args.checkpoint)
         check_state_dict(state, model, args.checkpoint)
         model.load_state_dict(state)
         img_size = args.img_size or 224
@@ -213,11 +194,8 @@ def add_subcommands(sub) -> None:
     _add_train(sub)
     _add_eval(sub)
     _add_export(sub)
-    for extra in ("analysis.cli", "bench", "demo"):
-        try:
-            module = __import__(f"convit_scale.{extra}", fromlist=["add_subcommand"])
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("convit_scale"):
-                continue
-            raise
-        module.add_subcommand(sub)
+    from . import demo
+    from .analysis import cli as analysis_cli
+
+    analysis_cli.add_subcommand(sub)
+    demo.add_subcommand(sub)

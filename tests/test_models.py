@@ -49,7 +49,12 @@ def test_gpsa_attention_rows_sum_to_one_and_mask_position_is_content_only():
     q, k, _ = attn._qkv(x)
     content = ((q @ k.transpose(-2, -1)) * attn.scale).softmax(-1)
     assert torch.allclose(attn.attention_map(x), content, atol=1e-6)
-    assert torch.allclose(attn.attention_map(x, mask_position=True), content, atol=1e-6)
+    out_sigma0 = attn(x)
+    with torch.no_grad():
+        attn.gating_param.fill_(3.0)
+    attn.mask = "position"  # Table 6 masking: content attention only, whatever the gating
+    assert torch.allclose(attn.attention_map(x), content, atol=1e-6)
+    assert torch.allclose(attn(x), out_sigma0, atol=1e-6)
 
 
 def test_relative_positions_exact_and_fp32_after_bf16_cast():

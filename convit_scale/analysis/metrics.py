@@ -13,12 +13,10 @@ def gating(model: ConViT) -> list[list[float]]:
 
 
 @torch.no_grad()
-def attention_maps(model: ConViT, images: torch.Tensor, mask_content_layers: int = 0,
-                   mask_position_layers: int = 0) -> list[torch.Tensor]:
+def attention_maps(model: ConViT, images: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, the (B, H, L, L) attention among patch tokens for these images.
 
-    For plain attention layers the patch-to-patch block of the (T, T) map is returned. The masking
-    arguments apply the paper's test-time masking to the first k GPSA layers (Tables 5 and 6).
+    For plain attention layers the patch-to-patch block of the (T, T) map is returned.
     """
     inputs: dict[int, torch.Tensor] = {}
     hooks = [blk.norm1.register_forward_hook(lambda m, a, out, i=i: inputs.__setitem__(i, out))
@@ -29,12 +27,10 @@ def attention_maps(model: ConViT, images: torch.Tensor, mask_content_layers: int
     finally:
         for h in hooks:
             h.remove()
-    maps, n_patches, gpsa_seen = [], model.patch_embed.num_patches, 0
+    maps, n_patches = [], model.patch_embed.num_patches
     for i, blk in enumerate(model.blocks):
         if isinstance(blk.attn, GPSA):
-            maps.append(blk.attn.attention_map(inputs[i], mask_content=gpsa_seen < mask_content_layers,
-                                               mask_position=gpsa_seen < mask_position_layers))
-            gpsa_seen += 1
+            maps.append(blk.attn.attention_map(inputs[i]))
         else:
             maps.append(blk.attn.attention_map(inputs[i])[:, :, -n_patches:, -n_patches:])
     return maps

@@ -73,6 +73,8 @@ class GPSA(nn.Module):
         self.scale = self.head_dim**-0.5
         self.locality_strength = locality_strength
         self.impl: GpsaImpl = impl
+        self.mask: Literal["content", "position"] | None = None
+        """Test-time masking (paper Tables 5-6): attend by position only ("content") or content only."""
         self.grid_size = grid_size
         self.qk = nn.Linear(dim, dim * 2, bias=qkv_bias)
         self.v = nn.Linear(dim, dim, bias=qkv_bias)
@@ -138,20 +140,23 @@ class GPSA(nn.Module):
         v = self.v(x).reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)
         return qk[0], qk[1], v  # each (B, H, L, hd)
 
-    def attention_map(
-        self, x: torch.Tensor, mask_content: bool = False, mask_position: bool = False
-    ) -> torch.Tensor:
+    def _gate(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """sigmoid(lambda_h) as a broadcastable tensor, with test-time masking applied."""
+        g = self.gating()
+        if self.mask == "content":  # the head attends by position only
+            g = torch.ones_like(g)
+        elif self.mask == "position":  # content only
+            g = torch.zeros_like(g)
+        return g.to(dtype).view(shape)
+
+    def attention_map(self, x: torch.Tensor) -> torch.Tensor:
         """The full (B, H, L, L) attention, literally as in the equation (analysis and reference)."""
         q, k, _ = self._qkv(x)
         content = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)  # (B, H, L, L)
         position = self.positional_attention().to(content.dtype).unsqueeze(0)  # (1, H, L, L)
-        g = self.gating().to(content.dtype).view(1, -1, 1, 1)
-        if mask_content:  # Table 6: the head attends by position only
-            g = torch.ones_like(g)
-        if mask_position:  # Table 6: content only
-            g = torch.zeros_like(g)
+        g = self._gate(content.dtype, (1, -1, 1, 1))
         attn = (1.0 - g) * content + g * position
-        return attn / attn.sum(dim=-1, keepdim=True)
+        return attn / attn.sum(dim=-1, keepdim=True)  # a no-op, as in the reference code
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, L, D = x.shape
@@ -167,7 +172,7 @@ class GPSA(nn.Module):
         # two such matmuls, so no (B, H, L, L) intermediate is ever stored.
         v_heads = v.permute(1, 2, 0, 3).reshape(H, L, B * hd)
         pos_out = torch.bmm(position, v_heads).view(H, L, B, hd).permute(2, 1, 0, 3)  # (B, L, H, hd)
-        g = self.gating().to(v.dtype).view(1, 1, H, 1)
+        g = self._gate(v.dtype, (1, 1, H, 1))
         out = content.transpose(1, 2) * (1.0 - g) + pos_out * g  # (B, L, H, hd)
         return self.proj(out.reshape(B, L, D))
 

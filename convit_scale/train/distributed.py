@@ -63,6 +63,23 @@ def _env_from_slurm() -> str:
     return "srun"
 
 
+def check_launcher_env(strategy: str, precision: str) -> None:
+    """Refuse an ``accelerate launch`` config that asks for another engine or precision than the recipe:
+    accelerate starts the processes, the recipe's parallel section decides how they train."""
+    env = os.environ
+    wants = [name for name, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED"))
+             if env.get(var, "").lower() == "true"]
+    if wants:
+        raise ValueError(
+            f"the accelerate config asks for {wants[0]} (distributed_type {wants[0].upper()}), but the recipe's "
+            f"parallel.strategy = '{strategy}' decides the engine: launch with distributed_type MULTI_GPU "
+            f"(recipes/accelerate/*.yaml) and set parallel.strategy in the recipe")
+    mp = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if mp not in ("no", precision):
+        raise ValueError(f"the accelerate config asks for mixed_precision '{mp}', the recipe for parallel.precision = "
+                         f"'{precision}': set mixed_precision 'no' in the accelerate config (the recipe decides)")
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:

@@ -29,7 +29,7 @@ from ..models import MODELS, create_model
 from ..models.checkpoints import convert_state_dict, check_state_dict, read_state_dict
 from ..parallel import build_strategy
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .distributed import DistContext, all_reduce_max, init_distributed, solve_batch
+from .distributed import DistContext, all_reduce_max, check_launcher_env, init_distributed, solve_batch
 from .optim import build_optimizer
 from .schedule import lr_at, peak_lr
 
@@ -358,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -41,3 +41,36 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     save_file(state, str(tmp), metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
     tmp.replace(out)
     return out
+
+
+def _model_section(path: Path) -> dict | None:
+    """The run's model config: from a checkpoint's meta.json or an exported file's metadata."""
+    if path.is_dir():
+        return json.loads((path / "meta.json").read_text())["config"]["model"]
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return json.loads(meta["model"]) if "model" in meta else None
+    return None
+
+
+def load_trained_model(path: str | Path, name: str | None = None, num_classes: int | None = None):
+    """A plain ConViT with the weights of a run checkpoint dir, an exported file or published weights."""
+    from ..config import ModelConfig, model_options
+    from ..models import create_model, load_pretrained, read_state_dict
+
+    path = Path(path)
+    section = _model_section(path)
+    if section is None and name is None:
+        raise ValueError(f"{path}: holds no model config; pass the model name (--model)")
+    m = ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in (section or {}).items()})
+    if name is not None:
+        m.name = name
+    if num_classes is not None:
+        m.num_classes = num_classes
+    opts = {**model_options(m), "drop_path_rate": 0.0}
+    model = create_model(m.name, **opts)
+    load_pretrained(model, consolidate(path) if path.is_dir() else read_state_dict(path))
+    return model.eval()

@@ -1,0 +1,1 @@
+"""What the paper measures inside a model: gating, nonlocality, attention maps and distance, CKA, masking."""

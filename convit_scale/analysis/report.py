@@ -1,0 +1,123 @@
+"""`convit-scale analyze`: every measurement of SPEC section 5 for a checkpoint, as PNGs and one JSON.
+
+Inputs: a run checkpoint directory, an exported .safetensors or published weights; optionally a second
+model to compare (CKA between models); optionally the run folder for the histories over training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..models.convit import GPSA, ConViT
+from .cka import MinibatchCKA
+from .metrics import attention_distance_px, attention_maps, gating, nonlocality
+
+
+@contextlib.contextmanager
+def masked(model: ConViT, pos_embed: bool = False, content_layers: int = 0, position_layers: int = 0):
+    """The paper's test-time masking: position embedding zeroed (Table 5); content or positional
+    attention masked in the first k GPSA layers (Table 6)."""
+    saved = model.pos_embed.detach().clone()
+    gpsa = [b.attn for b in model.blocks if isinstance(b.attn, GPSA)]
+    try:
+        if pos_embed:
+            with torch.no_grad():
+                model.pos_embed.zero_()
+        for i, attn in enumerate(gpsa):
+            attn.mask = "content" if i < content_layers else ("position" if i < position_layers else None)
+        yield model
+    finally:
+        with torch.no_grad():
+            model.pos_embed.copy_(saved)
+        for attn in gpsa:
+            attn.mask = None
+
+
+@torch.no_grad()
+def accuracy(model: ConViT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    correct = total = 0
+    for x, y in batches:
+        correct += (model(x).argmax(1) == y).sum().item()
+        total += len(y)
+    return 100.0 * correct / max(total, 1)
+
+
+def masking_table(model: ConViT, batches) -> dict:
+    """Accuracy with each masking of Tables 5 and 6 (k = all GPSA layers and k = half of them)."""
+    n_gpsa = len(model.gpsa_blocks())
+    table = {"none": accuracy(model, batches)}
+    with masked(model, pos_embed=True):
+        table["position_embedding"] = accuracy(model, batches)
+    for k in sorted({max(1, n_gpsa // 2), n_gpsa} - {0}):
+        with masked(model, content_layers=k):
+            table[f"content_attention_first_{k}"] = accuracy(model, batches)
+        with masked(model, position_layers=k):
+            table[f"position_attention_first_{k}"] = accuracy(model, batches)
+    return table
+
+
+@torch.no_grad()
+def layer_representations(model: ConViT, x: torch.Tensor) -> list[torch.Tensor]:
+    model.eval()
+    return model.forward_features(x, return_layers=True)[1]
+
+
+@torch.no_grad()
+def cka_matrix(a: ConViT, b: ConViT, batches) -> torch.Tensor:
+    acc = MinibatchCKA(len(a.blocks), len(b.blocks))
+    for x, _ in batches:
+        acc.update(layer_representations(a, x), layer_representations(b, x))
+    return acc.compute()
+
+
+def history(run_dir: Path) -> dict:
+    """Gating and nonlocality over training, from a run's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    recs = [r for r in recs if r["kind"] == "analysis"]
+    return {"epoch": [r["epoch"] for r in recs], "gating": [r["gating"] for r in recs],
+            "nonlocality": [r["nonlocality"] for r in recs]}
+
+
+def analyze(model: ConViT, batches, out: Path, compare: ConViT | None = None, run_dir: Path | None = None,
+            names: tuple[str, str] = ("model", "compare"), query_patch: int | None = None) -> dict:
+    """Compute everything, write the plots and ``analysis.json`` into ``out``; returns the numbers."""
+    from . import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    images = torch.cat([x for x, _ in batches])[:64]
+    maps = attention_maps(model, images[:8])
+    grid = model.grid_size
+    query = query_patch if query_patch is not None else (grid // 2) * grid + grid // 2
+    result = {
+        "gating": gating(model),
+        "nonlocality": nonlocality(model, images),
+        "attention_distance_px": attention_distance_px(model, images),
+        "masking_top1": masking_table(model, batches),
+        "cka_self": cka_matrix(model, model, batches).tolist(),
+        "query_patch": query,
+    }
+    files = [plots.gating_heatmap(result["gating"], out / "gating.png"),
+             plots.nonlocality_per_layer(result["nonlocality"], model.local_up_to_layer, out / "nonlocality.png"),
+             plots.attention_maps(maps, images[0], query, grid, result["gating"], out / "attention_maps.png"),
+             plots.attention_distance(result["attention_distance_px"], out / "attention_distance.png"),
+             plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
+    if compare is not None:
+        result["cka_compare"] = cka_matrix(model, compare, batches).tolist()
+        result["compare_nonlocality"] = nonlocality(compare, images)
+        files.append(plots.cka_heatmap(result["cka_compare"], names[0], names[1], out / "cka_compare.png"))
+    if run_dir is not None:
+        hist = history(run_dir)
+        result["history"] = hist
+        if hist["epoch"]:
+            files += [plots.gating_history(hist, out / "gating_history.png"),
+                      plots.nonlocality_history(hist, out / "nonlocality_history.png")]
+    result["files"] = [str(f) for f in files]
+    (out / "analysis.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,57 @@
+"""A small replication of Table 2 anyone can run: ConViT vs DeiT of the same size on subsets of the
+embedded Fashion-MNIST, epochs x 1/f, the same recipe otherwise (recipes/cpu/sample_efficiency.yaml)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu" / "sample_efficiency.yaml"
+
+
+def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float, models: list[str],
+                          nproc: int = 1, train_per_class: int = 1000, val_per_class: int = 200) -> dict:
+    from data_prep import PrepOptions, prepare
+    from data_prep.fashion_mnist import build_tree
+
+    from ..commands import launch_torchrun
+    from ..config import load_config
+    from ..train.engine import main as train_main
+    from .plots import sample_efficiency
+
+    out = out.resolve()
+    tree = build_tree(out / "data" / "tree", {"train": train_per_class, "val": val_per_class})
+    table: dict[str, dict[str, float]] = {m: {} for m in models}
+    for f in fractions:
+        data = out / "data" / f"wds_f{f:g}"  # Table 2 subsets: the first floor(n_c * f) files per class
+        prepare(tree, data, PrepOptions(fmt="wds", subset_fraction=f, shard_size=500, workers=2))
+        for model in models:
+            run = out / f"{model}_f{f:g}"
+            overrides = [f"model.name={model}", f"data.train_path={data}", f"data.val_path={data}",
+                         f"data.subset_fraction={f}", f"schedule.epochs={max(1, round(base_epochs / f))}",
+                         f"run.output_dir={run}", "run.eval_every_epochs=1000"]
+            load_config(RECIPE, overrides)
+            ends = _ends(run)
+            if not ends:
+                rc = (launch_torchrun(str(RECIPE), overrides, nproc) if nproc > 1
+                      else train_main(["--recipe", str(RECIPE), *overrides]))
+                if rc != 0:
+                    raise SystemExit(f"error: training {run} exited with status {rc}")
+                ends = _ends(run)
+            table[model][f"{f:g}"] = ends[-1]["top1"]
+    lines = ["| f | epochs | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    for f in fractions:
+        lines.append(f"| {f:g} | {max(1, round(base_epochs / f))} | "
+                     + " | ".join(f"{table[m][f'{f:g}']:.2f}" for m in models) + " |")
+    result = {"table": table, "markdown": "\n".join(lines), "base_epochs": base_epochs,
+              "train_images": train_per_class * 10, "val_images": val_per_class * 10}
+    (out / "sample_efficiency.json").write_text(json.dumps(result, indent=1))
+    sample_efficiency(table, out / "sample_efficiency.png")
+    return result
+
+
+def _ends(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "end" and "top1" in r]
