@@ -54,6 +54,8 @@ def slurm_master_addr() -> str:
 def _env_from_slurm() -> str:
     """Fill torch's env:// variables from Slurm's when srun started us directly."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        if any(k.startswith("ACCELERATE_") for k in os.environ):
+            return "accelerate"
         return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else ("env" if "RANK" in os.environ else "alone")
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
