@@ -187,6 +187,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
     if cfg.schedule.max_steps is not None:
         total_steps = min(total_steps, cfg.schedule.max_steps)
 
+    base_mem = round(_peak_memory_mb(ctx.device), 1)  # before the model: what the process costs without it
     model = build_model(cfg, meta=cfg.parallel.meta_init)
     strategy = build_strategy(model, cfg.parallel, ctx.device, ctx.world_size, cfg.optim.grad_clip)
     strategy.setup(lambda m: build_optimizer(m, cfg.optim, lr), micro, accum)
@@ -310,7 +311,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
                     rec = {"kind": "train", "step": step, "epoch": epoch, "loss": None if bad else mean_loss,
                            "lr": cur_lr, "images_per_s": imgs_since / max(now - t_last, 1e-9),
                            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
-                           "peak_mem_mb": mem, "skipped_steps": skipped_total}
+                           "peak_mem_mb": mem, "base_mem_mb": base_mem, "skipped_steps": skipped_total}
                     metrics.write(rec)
                     t_last, imgs_since = now, 0
                     progress.update(task, info=f"loss {mean_loss:.4f} lr {cur_lr:.2e} {rec['images_per_s']:.0f} img/s")

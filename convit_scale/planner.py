@@ -1,0 +1,172 @@
+"""`convit-scale plan`: memory per GPU, micro-batch, accumulation, step time and GPU-hours per strategy.
+
+Memory model (bytes; P parameters, N ranks sharding, c = 2 in bf16 / 4 in fp32 compute):
+- model state with AdamW is 16 bytes per parameter in fp32 (master 4 + gradient 4 + two moments 8):
+  ddp 16P (+4P while it rebuilds its buckets after step 1); fsdp2 16P/N (+4P/N of gradient buffers)
+  plus the unsharded working set of two blocks (c + 4 bytes per block parameter);
+  zero1 keeps parameters and gradients whole (2c P) and shards master + moments (12P/N, or 8P/N in fp32);
+  zero2 also shards gradients; zero3 shards everything and keeps one bucket of parameters live.
+- activations: the bytes autograd saves per image, counted exactly by a forward on the meta device
+  (no memory used), times the micro-batch; with activation checkpointing, one block's worth plus every
+  block's input.
+Step time = 3 x forward FLOPs x global batch / (world x peak bf16 FLOP/s x MFU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+IMAGENET_TRAIN = 1_281_167
+
+GPUS = {  # name: (memory GiB, dense bf16 peak TFLOP/s)
+    "h100-80gb": (80, 989), "h200-141gb": (141, 989), "a100-80gb": (80, 312), "a100-40gb": (40, 312),
+    "l40s-48gb": (48, 362), "v100-32gb": (32, 125), "cpu": (24, 1),
+}
+
+
+@dataclass
+class ModelFacts:
+    params: int
+    block_params: int
+    fwd_flops_per_image: float
+    act_bytes_per_image: float
+    act_ckpt_bytes_per_image: float
+
+
+def model_facts(cfg, compute_bytes: int = 2) -> ModelFacts:
+    """Parameters, FLOPs and saved-activation bytes per image, all from a meta-device forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .config import model_options
+    from .models import create_model
+
+    dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
+    model = create_model(cfg.model.name, device="meta", **model_options(cfg.model)).to(dtype)
+    size = model.patch_embed.img_size[0]
+
+    def saved(batch: int) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        x = torch.empty(batch, 3, size, size, device="meta", dtype=dtype)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+        del out
+        return total
+
+    per_image = saved(2) - saved(1)  # the batch-independent part is the weights saved for backward
+    x = torch.empty(1, 3, size, size, device="meta", dtype=dtype)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    depth = len(model.blocks)
+    tokens = model.patch_embed.num_patches + model.num_prefix_tokens
+    block_input = tokens * model.embed_dim * compute_bytes
+    return ModelFacts(
+        params=sum(p.numel() for p in model.parameters()),
+        block_params=max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
+        fwd_flops_per_image=counter.get_total_flops(),
+        act_bytes_per_image=per_image,
+        act_ckpt_bytes_per_image=per_image / depth + depth * block_input,
+    )
+
+
+def state_bytes(strategy: str, f: ModelFacts, n: int, c: int, bucket: float | None = None) -> dict[str, float]:
+    """Parameters, gradients and optimizer state per rank, in bytes."""
+    P = f.params
+    master = 4  # fp32 master weights (and the parameters themselves in fp32 runs)
+    if strategy in ("ddp", "none"):
+        # DDP rebuilds its gradient buckets after the first iteration: for a moment a second copy of the
+        # gradients exists (measured on CPU: peak = 20 bytes/param before activations).
+        return {"params": master * P, "grads": 4 * P + (4 * P if strategy == "ddp" else 0), "optimizer": 8 * P}
+    if strategy == "fsdp2":
+        working = 2 * f.block_params * (c + 4)  # two blocks gathered (prefetch) + their unsharded grads
+        # the reduce-scattered gradient shards and their fp32 accumulation buffers coexist for the last
+        # blocks of backward (measured on CPU: +4 bytes/param/N)
+        return {"params": master * P / n + working, "grads": 8 * P / n, "optimizer": 8 * P / n}
+    low = c if c == 2 else 0  # DeepSpeed bf16: a bf16 module copy besides the fp32 master
+    if strategy == "zero1":
+        return {"params": (low or 4) * P + (master * P / n if low else 0), "grads": (low or 4) * P,
+                "optimizer": 8 * P / n}
+    if strategy == "zero2":
+        return {"params": (low or 4) * P + (master * P / n if low else 0), "grads": (low or 4) * P / n,
+                "optimizer": 8 * P / n}
+    live = bucket if bucket is not None else min(5e8, max(1e6, P / 10))
+    return {"params": ((low or 4) + (master if low else 0)) * P / n + live * (low or 4),
+            "grads": (low or 4) * P / n, "optimizer": 8 * P / n}
+
+
+def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4,
+         strategies=("ddp", "fsdp2", "zero1", "zero2", "zero3")) -> list[dict]:
+    mem_gib, peak_tflops = GPUS[gpu]
+    c = 4 if cfg.parallel.precision == "fp32" else 2
+    facts = model_facts(cfg, c)
+    world = nodes * gpus_per_node
+    global_batch = cfg.data.global_batch_size
+    per_rank = global_batch // world if global_batch % world == 0 else None
+    act = facts.act_ckpt_bytes_per_image if cfg.parallel.activation_checkpointing else facts.act_bytes_per_image
+    budget = mem_gib * 2**30 * 0.9 - (1.0 * 2**30 if gpu != "cpu" else 0)  # 10% fragmentation, CUDA context
+    images = IMAGENET_TRAIN * cfg.data.subset_fraction
+    steps = cfg.schedule.epochs * math.floor(images / global_batch)
+    step_s = 3 * facts.fwd_flops_per_image * global_batch / (world * peak_tflops * 1e12 * mfu)
+    rows = []
+    for s in strategies:
+        st = state_bytes(s, facts, world, c, cfg.parallel.zero_bucket_elements)
+        fixed = sum(st.values())
+        fit = int((budget - fixed) // act) if budget > fixed else 0
+        micro = accum = None
+        if per_rank is not None and fit > 0:
+            micro = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and d <= fit) if fit >= 1 else None
+            accum = per_rank // micro if micro else None
+        rows.append({
+            "strategy": s, "params_gib": st["params"] / 2**30, "grads_gib": st["grads"] / 2**30,
+            "optimizer_gib": st["optimizer"] / 2**30,
+            "activations_gib": (act * micro / 2**30) if micro else None,
+            "total_gib": (fixed + act * (micro or 0)) / 2**30, "max_micro_batch": fit, "micro_batch": micro,
+            "grad_accumulation": accum, "step_s": step_s, "steps": steps,
+            "gpu_hours": step_s * steps * world / 3600, "wall_clock_h": step_s * steps / 3600,
+        })
+    return rows
+
+
+def _cmd_plan(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    rows = plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
+    world = args.nodes * args.gpus_per_node
+    t = Table(title=f"{cfg.model.name} on {args.nodes} x {args.gpus_per_node} {args.gpu}, global batch "
+                    f"{cfg.data.global_batch_size}, {cfg.parallel.precision}, MFU {args.mfu:.0%} (estimates)")
+    for col in ("strategy", "params", "grads", "optim", "activations", "total GiB/GPU", "max micro", "micro x accum",
+                "step (s)", "GPU-hours", "wall-clock (h)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["strategy"], f"{r['params_gib']:.2f}", f"{r['grads_gib']:.2f}", f"{r['optimizer_gib']:.2f}",
+                  "-" if r["activations_gib"] is None else f"{r['activations_gib']:.2f}", f"{r['total_gib']:.2f}",
+                  str(r["max_micro_batch"]),
+                  "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}",
+                  f"{r['step_s']:.3f}", f"{r['gpu_hours']:.0f}", f"{r['wall_clock_h']:.1f}")
+    Console().print(t)
+    if cfg.data.global_batch_size % world:
+        print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
+    return 0
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("plan", help="memory per GPU, micro-batch, step time and GPU-hours for a recipe")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_cmd_plan)
