@@ -194,9 +194,10 @@ def add_subcommands(sub) -> None:
     _add_train(sub)
     _add_eval(sub)
     _add_export(sub)
-    from . import demo, planner
+    from . import bench, demo, planner
     from .analysis import cli as analysis_cli
 
     analysis_cli.add_subcommand(sub)
+    bench.add_subcommand(sub)
     demo.add_subcommand(sub)
     planner.add_subcommand(sub)

@@ -35,7 +35,11 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
     table = Table(title="convit-scale demo")
     table.add_column("what")
     table.add_column("value")
-    table.add_row("model / data", "convit_micro on Fashion-MNIST (32x32), FSDP2")
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST (32x32), {cfg['parallel']['strategy']}, "
+                                  f"{cfg['data']['format']} loader, {len(train[-1]['peak_mem_mb'])} process(es)")
     table.add_row("top-1 / top-5 (val)", f"{evals[-1]['top1']:.2f} / {evals[-1]['top5']:.2f}  ({evals[-1]['samples']} images)")
     table.add_row("top-1 per epoch", " ".join(f"{e['top1']:.1f}" for e in evals))
     table.add_row("training images/s", f"{sorted(ips)[len(ips) // 2]:.0f} (median)")
@@ -58,36 +62,34 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     from .analysis.cli import eval_batches
     from .analysis.report import analyze
     from .commands import launch_torchrun
+    from .config import load_config
     from .train.export import load_trained_model
 
     console = Console()
     out = out.resolve()
     seconds: dict[str, float] = {}
     t0 = time.time()
-    console.rule("1/3 data: Fashion-MNIST -> ImageFolder tree -> WebDataset shards and FFCV")
-    tree = build_tree(out / "data" / "tree", {"train": train_per_class, "val": val_per_class})
-    prepared = {}
-    for fmt in ("wds", "ffcv"):
-        prepared[fmt] = out / "data" / fmt
-        prepare(tree, prepared[fmt], PrepOptions(fmt=fmt, shard_size=500, workers=2))
-    prepared["imagefolder"] = tree
-    seconds["data"] = time.time() - t0
-
-    console.rule(f"2/3 train: convit_micro, {strategy}, {nproc} process(es), {loader} loader")
     run_dir = out / "train"
+    prepared = {"wds": out / "data" / "wds", "ffcv": out / "data" / "ffcv", "imagefolder": out / "data" / "tree"}
     overrides = [f"data.format={loader}", f"data.train_path={prepared[loader]}", f"data.val_path={prepared[loader]}",
                  f"parallel.strategy={strategy}", f"run.output_dir={run_dir}", *(extra or [])]
     if epochs is not None:
         overrides.append(f"schedule.epochs={epochs}")
+    recipe = str(REPO_RECIPES / "cpu" / "demo.yaml")
+    load_config(recipe, overrides)  # refuse a bad option before any work starts
+
+    console.rule("1/3 data: Fashion-MNIST -> ImageFolder tree -> WebDataset shards and FFCV")
+    tree = build_tree(prepared["imagefolder"], {"train": train_per_class, "val": val_per_class})
+    for fmt in ("wds", "ffcv"):
+        prepare(tree, prepared[fmt], PrepOptions(fmt=fmt, shard_size=500, workers=2))
+    seconds["data"] = time.time() - t0
+
+    console.rule(f"2/3 train: the demo recipe (recipes/cpu/demo.yaml), {strategy}, {nproc} process(es), {loader} loader")
     t1 = time.time()
     end = _finished(run_dir)
     if end is not None:
         console.print(f"already trained ({end['step']} steps): {end['checkpoint']}; delete {run_dir} to retrain")
     else:
-        recipe = str(REPO_RECIPES / "cpu" / "demo.yaml")
-        from .config import load_config
-
-        load_config(recipe, overrides)  # refuse a bad option before any process starts
         rc = launch_torchrun(recipe, overrides, nproc) if nproc > 1 else _train_here(recipe, overrides)
         if rc != 0:
             raise SystemExit(f"error: training exited with status {rc}; run `make demo` again to resume")

@@ -200,6 +200,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
 
         teacher = load_teacher(cfg, ctx.device)
         criterion = DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision)
+        teacher_checksum = _checksum(teacher)
     else:
         base_loss = _loss_fn(cfg)
         criterion = lambda x, logits, y: base_loss(logits, y)  # noqa: E731
@@ -337,8 +338,18 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
             end_of_epoch(epoch if batch_in_epoch else epoch - 1)
     path = checkpoint("end")
     final.update(step=step, skipped_steps=skipped_total, checkpoint=str(path))
+    if teacher is not None:  # the teacher never trains: same weights at the end as loaded
+        metrics.write({"kind": "distill", "step": step, "teacher_checksum_start": teacher_checksum,
+                       "teacher_checksum_end": _checksum(teacher), "teacher_in_optimizer": any(
+                           p is q for g in strategy.optimizer.param_groups for p in g["params"]
+                           for q in teacher.parameters())})
     metrics.write({"kind": "end", **final})
     return final if ctx.is_main else {}
+
+
+def _checksum(module) -> float:
+    return float(sum(p.detach().double().sum().item() + p.detach().double().abs().sum().item()
+                     for p in module.parameters()))
 
 
 def _fault_injection(step: int, micro: int, ctx: DistContext) -> bool:

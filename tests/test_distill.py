@@ -1,0 +1,126 @@
+"""Hard distillation (Table 4) under FSDP2 and ZeRO-3 with 2 ranks, from a small teacher trained here."""
+
+import hashlib
+
+import pytest
+import torch
+
+from conftest import losses, records, run_cli, tiny_recipe
+
+TEACHER = "regnety_002"  # the RegNetY family of the paper's RegNetY-16GF, CPU-sized
+
+
+@pytest.fixture(scope="module")
+def teacher_file(fm_tree, tmp_path_factory):
+    """A RegNetY teacher trained on Fashion-MNIST with labels shifted by one class, saved to safetensors.
+
+    The shift makes its influence measurable: a student that learns from it predicts y + 1 more often.
+    """
+    import timm
+    from safetensors.torch import save_file
+
+    from convit_scale.config import DataConfig
+    from convit_scale.data import LoaderSpec, build_loader
+
+    torch.manual_seed(0)
+    d = DataConfig(format="imagefolder", train_path=str(fm_tree), val_path=str(fm_tree), num_workers=0,
+                   repeated_aug=1, rand_augment=None, reprob=0.0)
+    loader = build_loader(d, LoaderSpec("train", 16, 64))  # the students (convit_nano) see 16x16
+    teacher = timm.create_model(TEACHER, num_classes=10)
+    opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+    for epoch in range(3):
+        for x, y in loader.epoch(epoch):
+            loss = torch.nn.functional.cross_entropy(teacher(x), (y + 1) % 10)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    path = tmp_path_factory.mktemp("teacher") / "teacher.safetensors"
+    save_file({k: v.contiguous() for k, v in teacher.state_dict().items()}, str(path))
+    return path
+
+
+def _recipe(tmp_path, name, fm_wds, teacher_file, strategy, distill=True, token=False, **sched):
+    return tiny_recipe(
+        tmp_path / f"{name}.yaml", "wds", fm_wds, tmp_path / name,
+        model={"name": "deit_nano" if token else "convit_nano", "distill_token": token},
+        data={"mixup": 0.0, "cutmix": 0.0, "rand_augment": None, "reprob": 0.0},
+        optim={"base_lr": 2e-2}, schedule={"epochs": 2, "warmup_epochs": 0, **sched},
+        parallel={"strategy": strategy}, checkpoint={"every_steps": 20},
+        distill={"enabled": distill, "teacher_model": TEACHER, "teacher_checkpoint": str(teacher_file),
+                 "type": "hard", "alpha": 0.5})
+
+
+def _predictions(model, batches):
+    with torch.no_grad():
+        return torch.cat([model(x).argmax(1) for x, _ in batches])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_distillation_end_to_end(strategy, fm_wds, teacher_file, tmp_path):
+    import timm
+    from safetensors.torch import load_file
+
+    from convit_scale.analysis.cli import eval_batches
+    from convit_scale.train.export import load_trained_model
+
+    sha = hashlib.sha256(teacher_file.read_bytes()).hexdigest()
+    runs = {}
+    for name, kw in (("plain", {"distill": False}), ("distilled", {}), ("token", {"token": True})):
+        r = _recipe(tmp_path, name, fm_wds, teacher_file, strategy, **kw)
+        res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = tmp_path / name
+    # the teacher never changed: not in memory, not on disk, never in the optimizer or the checkpoint
+    for name in ("distilled", "token"):
+        (rec,) = records(runs[name], "distill")
+        assert rec["teacher_checksum_start"] == rec["teacher_checksum_end"] and not rec["teacher_in_optimizer"]
+    assert hashlib.sha256(teacher_file.read_bytes()).hexdigest() == sha
+    end = records(runs["distilled"], "end")[0]
+    student = load_trained_model(end["checkpoint"])  # loads strictly: no teacher keys in the checkpoint
+    # the distilled student agrees with the teacher more than the undistilled one trained the same way
+    batches = eval_batches(str(fm_wds), "wds", 16, 7)
+    teacher = timm.create_model(TEACHER, num_classes=10)
+    teacher.load_state_dict(load_file(str(teacher_file)))
+    teacher.eval()
+    t_pred = _predictions(teacher, batches)
+    plain = load_trained_model(records(runs["plain"], "end")[0]["checkpoint"])
+    agree_distilled = (_predictions(student, batches) == t_pred).float().mean().item()
+    agree_plain = (_predictions(plain, batches) == t_pred).float().mean().item()
+    assert agree_distilled > agree_plain + 0.1, (agree_distilled, agree_plain)
+    # the distillation-token variant trains and evaluates (two heads averaged at eval)
+    token_eval = records(runs["token"], "eval")
+    assert token_eval and token_eval[-1]["samples"] == 200 and 0 <= token_eval[-1]["top1"] <= 100
+    assert load_trained_model(records(runs["token"], "end")[0]["checkpoint"]).head_dist is not None
+    # resume restores the distillation state: stopped at step 20 and resumed, the same losses
+    r = _recipe(tmp_path, "resumed", fm_wds, teacher_file, strategy, max_steps=20)
+    assert run_cli("train", "--recipe", str(r), "--nproc-per-node", "2").returncode == 0
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", "schedule.max_steps=null")
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    assert losses(tmp_path / "resumed") == losses(runs["distilled"])
+
+
+def test_bad_teacher_files_are_refused_before_training(fm_wds, teacher_file, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(teacher_file.read_bytes()[:1000])
+    mismatched = tmp_path / "mismatched.safetensors"
+    sd = load_file(str(teacher_file))
+    sd.pop("head.fc.weight")
+    sd["extra.weight"] = torch.zeros(1)
+    save_file(sd, str(mismatched))
+    cases = [(tmp_path / "missing.pth", "checkpoint file not found"), (corrupt, "not a readable safetensors file"),
+             (mismatched, "missing keys (1): head.fc.weight | unexpected keys (1): extra.weight")]
+    for path, message in cases:
+        r = _recipe(tmp_path, "bad", fm_wds, path, "fsdp2")
+        res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+        assert res.returncode == 2 and message in res.stderr and str(path) in res.stderr, res.stderr[-2000:]
+        assert not (tmp_path / "bad").exists()  # refused before any process started
+
+
+def test_eval_command_measures_a_teacher(fm_wds, teacher_file):
+    res = run_cli("eval", "--model", TEACHER, "--checkpoint", str(teacher_file), "--data", str(fm_wds),
+                  "--num-classes", "10", "--img-size", "16")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"{TEACHER}: top-1" in res.stdout and "(200 images)" in res.stdout
