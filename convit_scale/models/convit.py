@@ -167,17 +167,51 @@ class GPSA(nn.Module):
             _, _, v = self._qkv(x)
             out = self.attention_map(x) @ v  # (B, H, L, hd)
             return self.proj(out.transpose(1, 2).reshape(B, L, D))
-        q, k, v = self._qkv(x)
         H, hd = self.num_heads, self.head_dim
-        content = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, hd)
-        position = self.positional_attention().to(v.dtype)  # (H, L, L)
-        # One matmul per head over the whole batch: (H, L, L) @ (H, L, B*hd). Its backward is again
-        # two such matmuls, so no (B, H, L, L) intermediate is ever stored.
-        v_heads = v.permute(1, 2, 0, 3).reshape(H, L, B * hd)
-        pos_out = torch.bmm(position, v_heads).view(H, L, B, hd).permute(2, 1, 0, 3)  # (B, L, H, hd)
-        g = self._gate(v.dtype, (1, 1, H, 1))
-        out = content.transpose(1, 2) * (1.0 - g) + pos_out * g  # (B, L, H, hd)
+        qk = self.qk(x).reshape(B, L, 2, H, hd).permute(2, 0, 3, 1, 4)
+        # The values, laid out once as (H, L, B, hd): the positional matmul reads them as (H, L, B*hd)
+        # and SDPA as a (B, H, L, hd) view, so autograd keeps a single copy of them.
+        v_heads = self.v(x).reshape(B, L, H, hd).permute(2, 1, 0, 3).contiguous()  # (H, L, B, hd)
+        content = F.scaled_dot_product_attention(qk[0], qk[1], v_heads.permute(2, 0, 1, 3))  # (B, H, L, hd)
+        position = self.positional_attention().to(v_heads.dtype)  # (H, L, L)
+        g = self._gate(torch.float32, (H,))
+        out = _GatedPositionalMix.apply(content, position, v_heads, g)  # (B, L, H, hd)
         return self.proj(out.reshape(B, L, D))
+
+
+class _GatedPositionalMix(torch.autograd.Function):
+    """out = (1 - g_h) content + g_h (P_h @ V_h), with P shared by the batch, as one autograd node.
+
+    The positional product runs as one (H, L, L) @ (H, L, B*hd) matmul per direction, so no
+    (B, H, L, L) tensor exists. Only what backward needs is kept: content (SDPA keeps it anyway), P and
+    the values; P @ V is recomputed in backward for the gating gradient instead of being stored.
+    Shapes: content (B, H, L, hd), position (H, L, L), v_heads (H, L, B, hd), g (H,) -> (B, L, H, hd).
+    """
+
+    @staticmethod
+    def forward(ctx, content, position, v_heads, g):
+        H, L, B, hd = v_heads.shape
+        pos_out = torch.bmm(position, v_heads.view(H, L, B * hd)).view(H, L, B, hd).permute(2, 1, 0, 3)
+        gate = g.to(content.dtype).view(1, 1, H, 1)
+        ctx.save_for_backward(content, position, v_heads, g)
+        return content.transpose(1, 2) * (1.0 - gate) + pos_out * gate  # (B, L, H, hd)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        content, position, v_heads, g = ctx.saved_tensors
+        H, L, B, hd = v_heads.shape
+        gate = g.to(grad_out.dtype).view(1, 1, H, 1)
+        grad_content = (grad_out * (1.0 - gate)).transpose(1, 2)  # (B, H, L, hd)
+        grad_pos = (grad_out * gate).permute(2, 1, 0, 3).reshape(H, L, B * hd)  # (H, L, B*hd)
+        v_flat = v_heads.view(H, L, B * hd)
+        grad_position = torch.bmm(grad_pos, v_flat.transpose(1, 2)) if ctx.needs_input_grad[1] else None
+        grad_v = torch.bmm(position.transpose(1, 2), grad_pos).view(H, L, B, hd) if ctx.needs_input_grad[2] else None
+        grad_g = None
+        if ctx.needs_input_grad[3]:  # d out / d g_h = P_h V_h - content_h, summed over B, L, hd
+            pos_out = torch.bmm(position, v_flat).view(H, L, B, hd).permute(2, 1, 0, 3)
+            diff = pos_out - content.transpose(1, 2)
+            grad_g = (grad_out * diff).sum(dim=(0, 1, 3), dtype=torch.float32).to(g.dtype)
+        return grad_content, grad_position, grad_v, grad_g
 
 
 class MHSA(nn.Module):
