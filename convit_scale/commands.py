@@ -19,6 +19,11 @@ def preflight(cfg) -> None:
             raise DataError("data.train_path is empty: point it at prepared shards or an ImageFolder tree")
         if loc and "{name}" not in loc and not Path(loc).exists():
             raise DataError(f"data.{key}: {loc} does not exist")
+    if cfg.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as e:
+            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from e
     if cfg.distill.enabled:
         from .train.distill import build_teacher
 

@@ -99,6 +99,24 @@ def test_flat_val_with_kaggle_labels(tmp_path):
     assert m["splits"]["val"]["per_class"] == {"0": 1, "1": 2}
 
 
+def test_flat_val_with_devkit_ground_truth(tmp_path):
+    root = tmp_path / "src"
+    for c in ("n01", "n02"):
+        (root / "train" / c).mkdir(parents=True)
+        (root / "train" / c / "a.JPEG").write_bytes(_jpeg())
+    (root / "val").mkdir()
+    for i in range(3):
+        (root / "val" / f"ILSVRC2012_val_{i + 1:08d}.JPEG").write_bytes(_jpeg())
+    # ILSVRC ids are 1-based positions in the synset list, which is not the sorted class order
+    (tmp_path / "synsets.txt").write_text("n02 thing two\nn01 thing one\n")
+    (tmp_path / "gt.txt").write_text("1\n2\n1\n")
+    m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1, val_labels=str(tmp_path / "gt.txt"),
+                                                  val_synsets=str(tmp_path / "synsets.txt")))
+    assert m["splits"]["val"]["per_class"] == {"0": 1, "1": 2}  # n01 -> 0 once, n02 -> 1 twice
+    with pytest.raises(PrepError, match="needs --val-synsets"):
+        prepare(root, tmp_path / "o2", PrepOptions(fmt="wds", workers=1, val_labels=str(tmp_path / "gt.txt")))
+
+
 def test_interrupted_conversion_resumes_without_redoing(fm_tree, tmp_path):
     out = tmp_path / "w"
     prepare(fm_tree, out, PrepOptions(fmt="wds", shard_size=100, workers=2, splits=("train",)))

@@ -229,3 +229,21 @@ def test_export_loads_into_plain_model(fm_tree, tmp_path):
     state = consolidate(ckpt)
     load_pretrained(fresh, state)
     assert torch.equal(fresh.head.weight, model.head.weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_bf16_clipping_and_keep_last(fm_tree, tmp_path, reference_losses, strategy):
+    """bf16 (FSDP2's MixedPrecisionPolicy / DDP's autocast) tracks fp32; clipping reports the unclipped
+    norm; only the newest K checkpoints are kept."""
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT, data=NO_MIX,
+                    parallel={"strategy": strategy, "precision": "bf16"}, optim={"grad_clip": 0.5},
+                    checkpoint={"every_steps": 1, "keep_last": 2}, schedule={"max_steps": 4})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = records(tmp_path / "out")
+    for got, ref in zip([x["loss"] for x in recs], reference_losses):
+        assert abs(got - ref) < 0.05  # bf16 rounding, same data and init
+    assert any(x["grad_norm"] > 0.5 for x in recs)  # the norm before clipping is what is logged
+    names = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert names == ["step_000000003", "step_000000004"]
