@@ -155,6 +155,9 @@ def train(cfg: Config) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if ctx.launcher == "alone":  # the one-process group's variables must not leak into a next run
+            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(key, None)
 
 
 def _log(ctx: DistContext, msg: str) -> None:
