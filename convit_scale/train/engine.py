@@ -54,9 +54,30 @@ class _StopFlag:
 
 
 def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank since the last ``_reset_peak_memory`` (process start if never reset)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:  # VmHWM can be reset (see below); ru_maxrss cannot
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start peak tracking at the training steps: set-up (a whole model built before sharding,
+    DeepSpeed's partitioning copies) has its own, earlier peak, which `setup_peak_mem_mb` records."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: reset the peak resident set size (VmHWM)
+    except OSError:
+        pass
 
 
 class MetricsWriter:
@@ -223,6 +244,8 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
         batch_in_epoch = meta["batch_in_epoch"] if meta["world_size"] == ctx.world_size else meta["step_in_epoch"] * accum
         _log(ctx, f"[convit-scale] resumed from {path} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
 
+    setup_mem = round(_peak_memory_mb(ctx.device), 1)
+    _reset_peak_memory(ctx.device)
     metrics = MetricsWriter(out, ctx.is_main, cfg.log.tensorboard)
     if ctx.is_main:
         (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
@@ -315,7 +338,8 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
                     rec = {"kind": "train", "step": step, "epoch": epoch, "loss": None if bad else mean_loss,
                            "lr": cur_lr, "images_per_s": imgs_since / max(now - t_last, 1e-9),
                            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
-                           "peak_mem_mb": mem, "base_mem_mb": base_mem, "skipped_steps": skipped_total}
+                           "peak_mem_mb": mem, "base_mem_mb": base_mem, "setup_peak_mem_mb": setup_mem,
+                           "skipped_steps": skipped_total}
                     metrics.write(rec)
                     t_last, imgs_since = now, 0
                     progress.update(task, info=f"loss {mean_loss:.4f} lr {cur_lr:.2e} {rec['images_per_s']:.0f} img/s")
