@@ -197,7 +197,8 @@ def bench_data(work: Path, seconds: float, rounds: int) -> dict:
 
 # -- memory: peak per rank of each strategy against the ideal -------------------------------------------------
 def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strategies: list[str]) -> dict:
-    """Peak RSS per rank of a few real training steps, minus the process baseline, per strategy and world."""
+    """Peak RSS per rank during a few real training steps (and during set-up), minus the process baseline
+    before the model exists, per strategy and world size."""
     from data_prep.fashion_mnist import build_tree
 
     from .commands import launch_torchrun
@@ -227,10 +228,11 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
             if not train:
                 rows.append({"strategy": s, "world": world, "error": f"exit {rc}"})
                 continue
-            peak = max(train[-1]["peak_mem_mb"]) - train[-1]["base_mem_mb"]
+            peak = max(train[-1]["peak_mem_mb"]) - train[-1]["base_mem_mb"]  # during the training steps
+            setup = train[-1]["setup_peak_mem_mb"] - train[-1]["base_mem_mb"]  # building and sharding (rank 0)
             ideal = 16 * params / world / 2**20
-            rows.append({"strategy": s, "world": world, "peak_mb": peak, "ideal_state_mb": ideal,
-                         "vs_ideal": peak / ideal})
+            rows.append({"strategy": s, "world": world, "peak_mb": peak, "setup_peak_mb": setup,
+                         "ideal_state_mb": ideal, "vs_ideal": peak / ideal})
     return {"model": model, "params": params, "img_size": img_size, "rows": rows}
 
 
