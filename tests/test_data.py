@@ -85,14 +85,19 @@ def test_strict_missing_and_empty_sources(messy_tree, tmp_path):
     assert res.returncode == 2 and res.stderr.strip() == f"error: source folder not found: {tmp_path / 'nope'}"
 
 
-def test_flat_val_with_kaggle_labels(tmp_path):
-    root = tmp_path / "src"
+def _flat_val_tree(root, val_names):
+    """Two train classes (n01, n02) of one image each and a flat val/ folder with these file names."""
     for c in ("n01", "n02"):
         (root / "train" / c).mkdir(parents=True)
         (root / "train" / c / "a.JPEG").write_bytes(_jpeg())
     (root / "val").mkdir()
-    for i, wnid in enumerate(["n02", "n01", "n02"]):
-        (root / "val" / f"ILSVRC2012_val_{i:08d}.JPEG").write_bytes(_jpeg())
+    for name in val_names:
+        (root / "val" / name).write_bytes(_jpeg())
+    return root
+
+
+def test_flat_val_with_kaggle_labels(tmp_path):
+    root = _flat_val_tree(tmp_path / "src", [f"ILSVRC2012_val_{i:08d}.JPEG" for i in range(3)])
     (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
         f"ILSVRC2012_val_{i:08d},{w} 1 2 3 4\n" for i, w in enumerate(["n02", "n01", "n02"])))
     m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1))
@@ -100,13 +105,7 @@ def test_flat_val_with_kaggle_labels(tmp_path):
 
 
 def test_flat_val_with_devkit_ground_truth(tmp_path):
-    root = tmp_path / "src"
-    for c in ("n01", "n02"):
-        (root / "train" / c).mkdir(parents=True)
-        (root / "train" / c / "a.JPEG").write_bytes(_jpeg())
-    (root / "val").mkdir()
-    for i in range(3):
-        (root / "val" / f"ILSVRC2012_val_{i + 1:08d}.JPEG").write_bytes(_jpeg())
+    root = _flat_val_tree(tmp_path / "src", [f"ILSVRC2012_val_{i + 1:08d}.JPEG" for i in range(3)])
     # ILSVRC ids are 1-based positions in the synset list, which is not the sorted class order
     (tmp_path / "synsets.txt").write_text("n02 thing two\nn01 thing one\n")
     (tmp_path / "gt.txt").write_text("1\n2\n1\n")

@@ -296,9 +296,8 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
                     target = y
                     if mixup is not None:
                         x, target = mixup(x, y)
-                    out_logits = strategy.forward(x)
-                    logits = out_logits if not isinstance(out_logits, tuple) else tuple(o.float() for o in out_logits)
-                    logits = logits.float() if isinstance(logits, torch.Tensor) else logits
+                    out_logits = strategy.forward(x)  # a (class, distillation) pair with a distillation token
+                    logits = tuple(o.float() for o in out_logits) if isinstance(out_logits, tuple) else out_logits.float()
                     loss = criterion(x, logits, target)
                     if _fault_injection(step, m, ctx):
                         loss = loss * float("nan")
