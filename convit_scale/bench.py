@@ -197,8 +197,9 @@ def bench_data(work: Path, seconds: float, rounds: int) -> dict:
 
 # -- memory: peak per rank of each strategy against the ideal -------------------------------------------------
 def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strategies: list[str]) -> dict:
-    """Peak RSS per rank during a few real training steps (and during set-up), minus the process baseline
-    before the model exists, per strategy and world size."""
+    """Per strategy and world size, per rank: the model state (memory of live tensors after an optimizer
+    step), the peak RSS during a few real training steps and the peak of set-up, both above the process
+    baseline before the model exists."""
     from data_prep.fashion_mnist import build_tree
 
     from .commands import launch_torchrun
@@ -230,9 +231,11 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
                 continue
             peak = max(train[-1]["peak_mem_mb"]) - train[-1]["base_mem_mb"]  # during the training steps
             setup = train[-1]["setup_peak_mem_mb"] - train[-1]["base_mem_mb"]  # building and sharding (rank 0)
+            state = max(train[-1]["state_mem_mb"])  # live tensors after an optimizer step: the model state
             ideal = 16 * params / world / 2**20
-            rows.append({"strategy": s, "world": world, "peak_mb": peak, "setup_peak_mb": setup,
-                         "ideal_state_mb": ideal, "vs_ideal": peak / ideal})
+            rows.append({"strategy": s, "world": world, "state_mb": state, "state_vs_ideal": state / ideal,
+                         "peak_mb": peak, "vs_ideal": peak / ideal, "setup_peak_mb": setup,
+                         "ideal_state_mb": ideal})
     return {"model": model, "params": params, "img_size": img_size, "rows": rows}
 
 

@@ -463,6 +463,10 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("parallel.hsdp_replicas", p.hsdp_replicas, "HSDP needs parallel.strategy = 'fsdp2'")
     if p.zero_offload and not p.strategy.startswith("zero"):
         fail("parallel.zero_offload", True, "needs parallel.strategy zero1, zero2 or zero3")
+    if p.zero_bucket_elements is not None and not p.strategy.startswith("zero"):
+        fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "needs parallel.strategy zero1, zero2 or zero3")
+    if p.zero_bucket_elements is not None and p.zero_bucket_elements < 1:
+        fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "must be >= 1, or null (sized from the model)")
     if p.meta_init and p.strategy != "fsdp2":
         fail("parallel.meta_init", True, "needs parallel.strategy = 'fsdp2'")
     if p.timeout_s < 10:

@@ -7,6 +7,8 @@
 #   LAUNCHER      srun (default: one task per GPU) or torchrun (one torchrun per node, static rendezvous)
 #   PYTHON        interpreter (default .venv/bin/python, else python3)
 #   MASTER_ADDR   rendezvous host (default: first node of the job)
+#   STOP_GRACE_S  torchrun only: seconds the ranks get, after the pre-timeout signal, to save before
+#                 torchrun kills them (default 300; keep it under the script's --signal=USR1@T)
 # Exit status 75 from training (or the STOPPED_FOR_REQUEUE marker) means: stopped by the pre-timeout
 # signal after a checkpoint; the job requeues itself and resumes from the newest checkpoint.
 set -uo pipefail
@@ -32,6 +34,10 @@ echo "== recipe $RECIPE, output $OUT, overrides: ${args[*]}"
 "$PY" -m convit_scale.cli config "$RECIPE" "${args[@]}" | sed 's/^/   /' || { echo "error: recipe refused"; exit 2; }
 
 if [ "${LAUNCHER:-srun}" = torchrun ]; then
+    # Slurm signals the task, torchrun, whose ranks run in their own sessions: torchrun must forward
+    # USR1 (it forwards TERM/INT/HUP/QUIT only by default) and give the ranks time to save.
+    export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+    export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-300}
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "exec '$PY' -m torch.distributed.run \
         --nnodes=$NODES --nproc-per-node=$GPUS --node-rank=\$SLURM_NODEID \
         --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT \

@@ -48,7 +48,10 @@ def test_two_node_fsdp2_job_trains_and_evaluates(slurm, fm_wds, tmp_path):
     assert ev and ev[-1]["samples"] == 200  # the whole val split, counted once
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_path):
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_path, launcher):
+    """srun: the signal reaches every rank (each is a task). torchrun: it reaches torchrun, one task per
+    node, which forwards it to its ranks."""
     out = tmp_path / "run"
     recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 300},
                          checkpoint={"keep_last": 2})
@@ -56,7 +59,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     script = REPO / "slurm" / "convit_b_plus.sh"
     assert "#SBATCH --signal=USR1@" in script.read_text() and "#SBATCH --requeue" in script.read_text()
     job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(script),
-                       env=_env(recipe, out, fm_tree), cwd=REPO)
+                       env=_env(recipe, out, fm_tree, LAUNCHER=launcher), cwd=REPO)
     t0 = time.time()
     while len(records(out)) < 3:  # training is under way
         assert time.time() - t0 < 240, log.read_text()[-3000:] if log.exists() else "no log"
@@ -73,6 +76,9 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     assert info["JobState"] == "COMPLETED", text[-4000:]
     assert info.get("Restarts") == "1", info
     assert "requeueing job" in text and "restart 1" in text  # --open-mode=append keeps both runs
+    assert f"launcher {launcher}" in text
+    if launcher == "torchrun":  # torchrun handled USR1 (by default it would die of it) and waited for its ranks
+        assert "death signal, shutting down workers" in text and "closing signal SIGUSR1" in text
     assert f"resumed from {out}/checkpoints/step_{stopped_at:09d} at step {stopped_at}" in text
     end = records(out, "end")
     assert len(end) == 1 and end[0]["step"] == 300

@@ -67,6 +67,28 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _tensor_memory_mb(device: torch.device) -> float:
+    """Memory held by live tensors on this rank. Taken after backward, before the optimizer step: the
+    model state (parameters, gradients, optimizer moments) and the strategy's persistent buffers, without
+    allocator slack, freed activations or the communication library's own buffers. CUDA: the caching allocator's count; CPU: every tensor
+    storage reachable from Python, each counted once (views and shards of one flat buffer included)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    import gc
+
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta or obj.device.type != "cpu":
+            continue
+        try:  # wrapper subclasses (DTensor) have no storage of their own: their local tensors are seen
+            st = obj.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        storages[ptr] = max(storages.get(ptr, 0), nbytes)
+    return sum(storages.values()) / 2**20
+
+
 def _reset_peak_memory(device: torch.device) -> None:
     """Start peak tracking at the training steps: set-up (a whole model built before sharding,
     DeepSpeed's partitioning copies) has its own, earlier peak, which `setup_peak_mem_mb` records."""
@@ -245,6 +267,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
         _log(ctx, f"[convit-scale] resumed from {path} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
 
     setup_mem = round(_peak_memory_mb(ctx.device), 1)
+    state_mem = None  # tensor memory per rank before the second optimizer step: the model state
     _reset_peak_memory(ctx.device)
     metrics = MetricsWriter(out, ctx.is_main, cfg.log.tensorboard)
     if ctx.is_main:
@@ -313,6 +336,10 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
                     strategy.backward(loss, is_last_micro=m == accum - 1, grad_accum=accum)
                     loss_sum += loss.detach().double().cpu()
                     batch_in_epoch += 1
+                if state_mem is None and step > 0 and not bad:
+                    # once, with gradients accumulated and the optimizer moments in place (a step was taken)
+                    state_mem = [None] * ctx.world_size
+                    dist.all_gather_object(state_mem, round(_tensor_memory_mb(ctx.device), 1))
                 if bad:
                     strategy.skip_step()
                     grad_norm = float("nan")
@@ -338,7 +365,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
                            "lr": cur_lr, "images_per_s": imgs_since / max(now - t_last, 1e-9),
                            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
                            "peak_mem_mb": mem, "base_mem_mb": base_mem, "setup_peak_mem_mb": setup_mem,
-                           "skipped_steps": skipped_total}
+                           "skipped_steps": skipped_total, "state_mem_mb": state_mem}
                     metrics.write(rec)
                     t_last, imgs_since = now, 0
                     progress.update(task, info=f"loss {mean_loss:.4f} lr {cur_lr:.2e} {rec['images_per_s']:.0f} img/s")
