@@ -140,7 +140,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each block in backward to save activation memory."""
     compile: bool = False
-    """torch.compile each block (GPU only)."""
+    """torch.compile each block (ddp, fsdp2; CPU too, where it mostly costs compile time)."""
     zero_offload: bool = False
     """DeepSpeed: offload optimizer state to CPU."""
     zero_bucket_elements: int | None = None
@@ -467,6 +467,12 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "needs parallel.strategy zero1, zero2 or zero3")
     if p.zero_bucket_elements is not None and p.zero_bucket_elements < 1:
         fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "must be >= 1, or null (sized from the model)")
+    if p.compile and p.strategy.startswith("zero"):
+        fail("parallel.compile", True, "is supported with ddp and fsdp2 (DeepSpeed's ZeRO-3 linear does not trace "
+             "under torch.compile); set it false for zero1/2/3")
+    if p.precision == "fp16" and p.strategy == "fsdp2":
+        fail("parallel.precision", "fp16", "fsdp2 trains in fp32 or bf16 (no sharded loss scaling here); use bf16, "
+             "or ddp / zero1/2/3 for fp16")
     if p.meta_init and p.strategy != "fsdp2":
         fail("parallel.meta_init", True, "needs parallel.strategy = 'fsdp2'")
     if p.timeout_s < 10:

@@ -45,6 +45,10 @@ def test_inheritance_and_overrides(tmp_path):
     ("data: {subset_fraction: 0}\n", "data.subset_fraction = 0.0 is not allowed"),
     ("run: {seed: true}\n", "run.seed = True is not allowed; expected int"),
     ("model: 3\n", "'model' must be a mapping"),
+    ("parallel: {strategy: ddp, zero_bucket_elements: 1000}\n", "parallel.zero_bucket_elements = 1000 is not allowed; needs"),
+    ("parallel: {strategy: zero3, zero_bucket_elements: 0}\n", "parallel.zero_bucket_elements = 0 is not allowed; must be >= 1"),
+    ("parallel: {strategy: zero3, compile: true}\n", "parallel.compile = True is not allowed; is supported with ddp and fsdp2"),
+    ("parallel: {strategy: fsdp2, precision: fp16}\n", "parallel.precision = 'fp16' is not allowed; fsdp2 trains in fp32 or bf16"),
 ])
 def test_bad_values_are_refused_naming_key_and_file(tmp_path, text, needle):
     f = _write(tmp_path / "bad.yaml", text)

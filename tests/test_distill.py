@@ -124,3 +124,54 @@ def test_eval_command_measures_a_teacher(fm_wds, teacher_file):
                   "--num-classes", "10", "--img-size", "16")
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"{TEACHER}: top-1" in res.stdout and "(200 images)" in res.stdout
+
+
+def test_soft_distillation_is_deits_formula(teacher_file):
+    """soft: tau^2 x KL(teacher || student) at temperature tau, averaged over batch and classes (DeiT),
+    mixed with the label loss by alpha; zero when the student already matches the teacher."""
+    import timm
+    from safetensors.torch import load_file
+
+    from convit_scale.config import DistillConfig
+    from convit_scale.train.distill import DistillLoss
+
+    teacher = timm.create_model(TEACHER, num_classes=10)
+    teacher.load_state_dict(load_file(str(teacher_file)))
+    x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 10, (6,))
+    student = torch.randn(6, 10)
+    ce = torch.nn.functional.cross_entropy
+    with torch.no_grad():
+        t = teacher.eval()(x)
+    for tau in (1.0, 3.0):
+        loss = DistillLoss(ce, teacher, DistillConfig(type="soft", alpha=1.0, tau=tau))
+        pt, ps = (t / tau).softmax(1), (student / tau).softmax(1)
+        by_hand = (pt * (pt.log() - ps.log())).sum() * tau**2 / student.numel()
+        assert torch.allclose(loss(x, student, y), by_hand, atol=1e-6)
+        assert loss(x, t.clone(), y).abs() < 1e-6
+    mixed = DistillLoss(ce, teacher, DistillConfig(type="soft", alpha=0.25, tau=2.0))
+    pure = DistillLoss(ce, teacher, DistillConfig(type="soft", alpha=1.0, tau=2.0))
+    assert torch.allclose(mixed(x, student, y), 0.75 * ce(student, y) + 0.25 * pure(x, student, y), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, tmp_path):
+    from safetensors.torch import load_file
+
+    import timm
+    from convit_scale.analysis.cli import eval_batches
+    from convit_scale.train.export import load_trained_model
+
+    students = {}
+    for name, kw in (("plain", {"distill": False}), ("soft", {})):
+        r = _recipe(tmp_path, name, fm_wds, teacher_file, "ddp", **kw)
+        # DeiT's soft term averages over classes too (a tenth of a cross-entropy here): the teacher alone
+        res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", "distill.type=soft", "distill.tau=1.0",
+                      "distill.alpha=1.0", "schedule.epochs=4")
+        assert res.returncode == 0, res.stderr[-3000:]
+        students[name] = load_trained_model(records(tmp_path / name, "end")[0]["checkpoint"])
+    batches = eval_batches(str(fm_wds), "wds", 16, 7)
+    teacher = timm.create_model(TEACHER, num_classes=10)
+    teacher.load_state_dict(load_file(str(teacher_file)))
+    t_pred = _predictions(teacher.eval(), batches)
+    agree = {k: (_predictions(m, batches) == t_pred).float().mean().item() for k, m in students.items()}
+    assert agree["soft"] > agree["plain"] + 0.1, agree

@@ -81,7 +81,10 @@ def reference_losses(fm_tree, tmp_path_factory):
     ("zero2", 8, {}),  # DeepSpeed's own gradient accumulation
     ("zero3", None, {}),
     ("zero3", None, {"zero_bucket_elements": 8000}),  # several optimizer sub-groups per rank
-], ids=["ddp", "fsdp2", "fsdp2-accum-ckpt", "hsdp", "fsdp2-meta", "zero1", "zero2-accum", "zero3", "zero3-subgroups"])
+    ("zero3", None, {"zero_offload": True}),  # optimizer on the host: DeepSpeed's CPU Adam
+    ("fsdp2", None, {"compile": True, "activation_checkpointing": True}),
+], ids=["ddp", "fsdp2", "fsdp2-accum-ckpt", "hsdp", "fsdp2-meta", "zero1", "zero2-accum", "zero3", "zero3-subgroups",
+        "zero3-offload", "fsdp2-compile-ckpt"])
 def test_two_ranks_match_single_process(fm_tree, tmp_path, reference_losses, strategy, micro, extra):
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT,
                     data={**NO_MIX, "micro_batch_size": micro}, parallel={"strategy": strategy, **extra},
@@ -182,6 +185,25 @@ def test_nan_policy_skip_and_stop(fm_tree, tmp_path):
     assert meta["step"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_nan_in_a_later_micro_batch_discards_the_whole_step(fm_tree, tmp_path, strategy):
+    """Accumulation 2: a NaN in the second micro-batch of step 1 discards the first one's gradients too
+    (DDP's and DeepSpeed's): the run goes on exactly as when the NaN is in the first micro-batch."""
+    got = {}
+    for where in ("1:0", "1:1"):
+        out = tmp_path / where.replace(":", "_")
+        r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, model=EXACT,
+                        data={**NO_MIX, "micro_batch_size": 8}, parallel={"strategy": strategy},
+                        schedule={"max_steps": 4})
+        res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_NAN_AT_STEP": where})
+        assert res.returncode == 0, res.stderr[-3000:]
+        recs = records(out)
+        assert recs[1]["loss"] is None and recs[-1]["skipped_steps"] == 1
+        got[where] = [x["loss"] for x in recs]
+    assert got["1:0"] == got["1:1"] and all(math.isfinite(x) for i, x in enumerate(got["1:1"]) if i != 1)
+
+
 def _torchrun(recipe, *overrides):
     from convit_scale.train.distributed import free_port
 
@@ -246,6 +268,20 @@ def test_bad_recipe_is_refused_before_any_process(tmp_path, fm_tree):
     assert res.returncode == 2 and "does not exist" in res.stderr
 
 
+def test_tensorboard_events_match_metrics(fm_tree, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "none"},
+                    schedule={"max_steps": 3}, log={"tensorboard": True}, data={"val_path": ""})
+    res = run_cli("train", "--recipe", str(r))
+    assert res.returncode == 0, res.stderr[-3000:]
+    acc = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    acc.Reload()
+    tb_loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [(x["step"], pytest.approx(x["loss"], rel=1e-6)) for x in records(tmp_path / "out")] == tb_loss
+    assert {"train/lr", "train/images_per_s", "train/peak_mem_mb/0"} <= set(acc.Tags()["scalars"])
+
+
 @pytest.mark.slow
 def test_export_loads_into_plain_model(fm_tree, tmp_path):
     from convit_scale.models import load_pretrained
@@ -266,12 +302,13 @@ def test_export_loads_into_plain_model(fm_tree, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_bf16_clipping_and_keep_last(fm_tree, tmp_path, reference_losses, strategy):
-    """bf16 (FSDP2's MixedPrecisionPolicy / DDP's autocast) tracks fp32; clipping reports the unclipped
+@pytest.mark.parametrize("strategy,precision", [("fsdp2", "bf16"), ("ddp", "bf16"), ("ddp", "fp16"), ("zero2", "fp16")])
+def test_low_precision_clipping_and_keep_last(fm_tree, tmp_path, reference_losses, strategy, precision):
+    """bf16 (FSDP2's MixedPrecisionPolicy / DDP's autocast) and fp16 (DDP's autocast with a GradScaler,
+    DeepSpeed's fp16 weights with dynamic loss scaling) track fp32; clipping reports the unclipped
     norm; only the newest K checkpoints are kept."""
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT, data=NO_MIX,
-                    parallel={"strategy": strategy, "precision": "bf16"}, optim={"grad_clip": 0.5},
+                    parallel={"strategy": strategy, "precision": precision}, optim={"grad_clip": 0.5},
                     checkpoint={"every_steps": 1, "keep_last": 2}, schedule={"max_steps": 4})
     res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
     assert res.returncode == 0, res.stderr[-3000:]

@@ -73,6 +73,18 @@ def share_fp32_master_partitions() -> None:
     Stage3._create_fp32_partitions = create_fp32_partitions
 
 
+def cpu_adam_like(optimizer: torch.optim.Optimizer):
+    """The same AdamW (parameter groups, betas, eps, weight decay) as DeepSpeed's vectorised CPU Adam,
+    which ZeRO-Offload steps on the host: DeepSpeed refuses a torch optimizer there. The extension is
+    compiled on first use (about a minute, cached in TORCH_EXTENSIONS_DIR)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    d = optimizer.defaults
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                            adamw_mode=True)
+
+
 class ZeroStrategy(Strategy):
     name = "zero"
 
@@ -84,6 +96,8 @@ class ZeroStrategy(Strategy):
         self._module = self.model
         num_params = sum(p.numel() for p in self.model.parameters())
         optimizer = optimizer_fn(self.model)
+        if self.p.zero_offload:
+            optimizer = cpu_adam_like(optimizer)
         cfg = deepspeed_config(self.p, micro_batch, grad_accum, self.world_size, num_params, self.grad_clip)
         share_fp32_master_partitions()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=cfg)

@@ -67,23 +67,27 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _tensor_memory_mb(device: torch.device) -> float:
+def _tensor_memory_mb(device: torch.device, module: torch.nn.Module) -> float:
     """Memory held by live tensors on this rank. Taken after backward, before the optimizer step: the
     model state (parameters, gradients, optimizer moments) and the strategy's persistent buffers, without
     allocator slack, freed activations or the communication library's own buffers. CUDA: the caching allocator's count; CPU: every tensor
-    storage reachable from Python, each counted once (views and shards of one flat buffer included)."""
+    storage reachable from Python, each counted once (views and shards of one flat buffer included);
+    tensors that live only in C++ (DDP's reducer buckets) are not seen."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
     import gc
 
+    grads = [p.grad for p in module.parameters()]  # noqa: F841 (gives autograd's gradients a Python object)
+
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta or obj.device.type != "cpu":
-            continue
-        try:  # wrapper subclasses (DTensor) have no storage of their own: their local tensors are seen
+        try:  # dead weak proxies raise on isinstance; wrapper subclasses (DTensor) have no storage of
+            # their own (their local tensors are seen)
+            if not isinstance(obj, torch.Tensor) or obj.is_meta or obj.device.type != "cpu":
+                continue
             st = obj.untyped_storage()
             ptr, nbytes = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError, TypeError):
+        except (ReferenceError, RuntimeError, NotImplementedError, TypeError):
             continue
         storages[ptr] = max(storages.get(ptr, 0), nbytes)
     return sum(storages.values()) / 2**20
@@ -120,9 +124,14 @@ class MetricsWriter:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
+            step = record.get("step", 0)
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(f"{record['kind']}/{k}", v, record.get("step", 0))
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(f"{record['kind']}/{k}", v, step)
+                elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):  # per rank
+                    for i, x in enumerate(v):
+                        self.tb.add_scalar(f"{record['kind']}/{k}/{i}", x, step)
+            self.tb.flush()
 
 
 def _progress(enabled: bool):
@@ -339,7 +348,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
                 if state_mem is None and step > 0 and not bad:
                     # once, with gradients accumulated and the optimizer moments in place (a step was taken)
                     state_mem = [None] * ctx.world_size
-                    dist.all_gather_object(state_mem, round(_tensor_memory_mb(ctx.device), 1))
+                    dist.all_gather_object(state_mem, round(_tensor_memory_mb(ctx.device, strategy.module), 1))
                 if bad:
                     strategy.skip_step()
                     grad_norm = float("nan")
@@ -406,9 +415,11 @@ def _checksum(module) -> float:
 
 
 def _fault_injection(step: int, micro: int, ctx: DistContext) -> bool:
-    """CONVIT_SCALE_NAN_AT_STEP=s[,s...]: make the loss of those steps non-finite (tests of the NaN policy)."""
+    """CONVIT_SCALE_NAN_AT_STEP=s[:m][,...]: make rank 0's loss of step s (micro-batch m, default 0)
+    non-finite (tests of the NaN policy)."""
     spec = os.environ.get("CONVIT_SCALE_NAN_AT_STEP")
-    return bool(spec) and micro == 0 and ctx.rank == 0 and str(step) in spec.split(",")
+    return bool(spec) and ctx.rank == 0 and (f"{step}:{micro}" in spec.split(",")
+                                             or (micro == 0 and str(step) in spec.split(",")))
 
 
 def main(argv: list[str] | None = None) -> int:
