@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +108,81 @@ def bench_model(batch: int, steps: int, rounds: int, device: str, precision: str
     }
     return {"batch": batch, "steps": steps, "rounds": rounds, "device": device, "precision": precision,
             "results": results, "ratios": ratios}
+
+
+# -- mfu: one device, a full training step (AdamW), model FLOPs against the device's peak ----------------------
+# Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets; --peak-tflops for anything else.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+                    "A10": 125.0, "MI300X": 1307.0}
+
+
+def device_peak_tflops(device: str) -> float | None:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(torch.device(device)).upper()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # "GH200" before "H200"
+        if key in name:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def _train_worker(spec: dict) -> dict:
+    """A real training step of one model: forward, backward, AdamW step, zero_grad; images/s and peak memory."""
+    from .models import MODELS, create_model
+
+    device = torch.device(spec["device"])
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else None
+    model = create_model(spec["model"], drop_path_rate=0.0).to(device).train()
+    if spec.get("compile"):
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    size = MODELS[spec["model"]].img_size
+    x = torch.randn(spec["batch"], 3, size, size, device=device)
+    y = torch.randint(0, 1000, (spec["batch"],), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(spec["warmup"]):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(spec["steps"]):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return {"images_per_s": spec["batch"] * spec["steps"] / dt, "peak_mb": peak}
+
+
+def bench_mfu(models: list[str], batch: int, steps: int, warmup: int, device: str, precision: str,
+              peak_tflops: float | None, compile_blocks: bool = False) -> dict:
+    """Training throughput and model FLOPs utilisation: 3 x forward FLOPs per image (counted, not
+    estimated) x images/s, over the device's dense peak."""
+    from .models import forward_flops
+
+    peak = peak_tflops or device_peak_tflops(device)
+    rows = {}
+    for name in models:
+        r = _run_worker("train", {"model": name, "batch": batch, "steps": steps, "warmup": warmup,
+                                  "device": device, "precision": precision, "compile": compile_blocks})
+        flops = 3 * forward_flops(name)
+        achieved = r["images_per_s"] * flops / 1e12
+        rows[name] = {**r, "train_gflops_per_image": flops / 1e9, "achieved_tflops": achieved,
+                      "mfu": achieved / peak if peak else None}
+    return {"device": device, "device_name": torch.cuda.get_device_name(torch.device(device))
+            if device.startswith("cuda") and torch.cuda.is_available() else "cpu",
+            "precision": precision, "batch": batch, "steps": steps, "compile": compile_blocks,
+            "peak_tflops": peak, "results": rows}
 
 
 # -- data: loader throughput per core against raw JPEG decode --------------------------------------------------
@@ -225,6 +301,7 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
             else:
                 rc = launch_torchrun(recipe, overrides, world, env=env)
             recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 2 GB per configuration, not needed
             train = [r for r in recs if r["kind"] == "train"]
             if not train:
                 rows.append({"strategy": s, "world": world, "error": f"exit {rc}"})
@@ -289,6 +366,9 @@ def _cmd_bench(args) -> int:
     elif args.what == "memory":
         res = bench_memory(out / "memory_work", args.model, args.img_size, [int(w) for w in args.worlds.split(",")],
                            args.strategies.split(","))
+    elif args.what == "mfu":
+        res = bench_mfu(args.models.split(","), args.batch or 64, args.steps, args.warmup, args.device, args.precision,
+                        args.peak_tflops, args.compile)
     else:
         res = bench_distill(args.batch or 4, args.steps, args.rounds, args.device)
     res["command"] = "convit-scale " + " ".join(sys.argv[1:])
@@ -302,12 +382,12 @@ def _cmd_bench(args) -> int:
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill)")
-    p.add_argument("what", choices=["model", "data", "memory", "distill"])
+    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu)")
+    p.add_argument("what", choices=["model", "data", "memory", "distill", "mfu"])
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", default="bf16" if torch.cuda.is_available() else "fp32", choices=["fp32", "bf16"])
-    p.add_argument("--batch", type=int, help="images per step (model: 8 on CPU)")
+    p.add_argument("--batch", type=int, help="images per step (model: 8, distill: 4, mfu: 64)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=8.0, help="data: seconds per candidate and round")
@@ -315,12 +395,16 @@ def add_subcommand(sub) -> None:
     p.add_argument("--img-size", type=int, default=64, help="memory: input size (model state dominates)")
     p.add_argument("--worlds", default="1,2,4", help="memory: world sizes")
     p.add_argument("--strategies", default="ddp,fsdp2,zero1,zero2,zero3", help="memory: strategies")
+    p.add_argument("--models", default="convit_small_plus,convit_base_plus", help="mfu: models")
+    p.add_argument("--warmup", type=int, default=3, help="mfu: untimed steps first")
+    p.add_argument("--peak-tflops", type=float, help="mfu: the device's dense peak (default: known GPUs' bf16 peak)")
+    p.add_argument("--compile", action="store_true", help="mfu: torch.compile each block")
     p.set_defaults(func=_cmd_bench)
 
 
 def _worker_main() -> None:
     kind, spec = sys.argv[1], json.loads(sys.argv[2])
-    fn = {"model": _model_worker, "data": _data_worker, "distill": _distill_worker}[kind]
+    fn = {"model": _model_worker, "data": _data_worker, "distill": _distill_worker, "train": _train_worker}[kind]
     print(json.dumps(fn(spec)))
 
 

@@ -90,3 +90,15 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
 
         load_pretrained(model, pretrained_file)
     return model
+
+
+def forward_flops(name: str, **options) -> int:
+    """FLOPs (two per multiply-add) of one image's forward pass, counted by torch's FlopCounterMode on
+    the meta device (no memory, no time). A training step costs three times this (MFU's convention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = create_model(name, device="meta", **options).eval()
+    size = options.get("img_size") or MODELS[name].img_size
+    with FlopCounterMode(display=False) as counter:
+        model(torch.empty(1, 3, size, size, device="meta"))
+    return counter.get_total_flops()
