@@ -5,7 +5,8 @@ Memory model (bytes; P parameters, N ranks sharding, c = 2 in bf16 / 4 in fp32 c
   ddp 16P (+4P while it rebuilds its buckets after step 1); fsdp2 16P/N (+4P/N of gradient buffers)
   plus the unsharded working set of two blocks (c + 4 bytes per block parameter);
   zero1 keeps parameters and gradients whole (2c P) and shards master + moments (12P/N, or 8P/N in fp32);
-  zero2 also shards gradients; zero3 shards everything and keeps one bucket of parameters live.
+  zero2 also shards gradients; zero3 shards everything and keeps a bucket of gathered parameters and one
+  of gradients being reduced (its fp32 partitions double as the master weights in fp32 runs).
 - activations: the bytes autograd saves per image, counted exactly by a forward on the meta device
   (no memory used), times the micro-batch; with activation checkpointing, one block's worth plus every
   block's input.
@@ -98,8 +99,9 @@ def state_bytes(strategy: str, f: ModelFacts, n: int, c: int, bucket: float | No
         return {"params": (low or 4) * P + (master * P / n if low else 0), "grads": (low or 4) * P / n,
                 "optimizer": 8 * P / n}
     live = bucket if bucket is not None else min(5e8, max(1e6, P / 10))
+    # one bucket of gathered parameters and one of gradients being reduced (DeepSpeed's ipg bucket)
     return {"params": ((low or 4) + (master if low else 0)) * P / n + live * (low or 4),
-            "grads": (low or 4) * P / n, "optimizer": 8 * P / n}
+            "grads": (low or 4) * P / n + live * (low or 4), "optimizer": 8 * P / n}
 
 
 def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4,

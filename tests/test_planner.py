@@ -23,7 +23,7 @@ def test_plan_table_shapes_and_sharding():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3"])
 def test_memory_model_matches_engine_on_cpu(fm_tree, tmp_path, strategy):
     # deit_small at 32x32: 21M parameters, so model state dominates as on a GPU
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out",
@@ -36,5 +36,12 @@ def test_memory_model_matches_engine_on_cpu(fm_tree, tmp_path, strategy):
     measured = max(last["peak_mem_mb"]) - last["base_mem_mb"]
     (row,) = plan(load_config(r), nodes=1, gpus_per_node=2, gpu="cpu", strategies=(strategy,))
     assert row["micro_batch"] == 32
+    if strategy == "zero3":
+        # RSS also holds ~0.2 GB of DeepSpeed's own per-process overhead on CPU (not tensors, not model
+        # state, not on a GPU's allocator): compare the model state with the live tensors instead
+        measured = max(last["state_mem_mb"])
+        predicted = (row["params_gib"] + row["grads_gib"] + row["optimizer_gib"]) * 1024
+        assert abs(predicted - measured) / measured < 0.1, (predicted, measured)
+        return
     predicted = row["total_gib"] * 1024
     assert abs(predicted - measured) / measured < 0.25, (predicted, measured)

@@ -27,7 +27,7 @@ from ..data.plan import sample_seed
 from ..data.transforms import build_mixup, seed_all
 from ..models import MODELS, create_model
 from ..models.checkpoints import convert_state_dict, check_state_dict, read_state_dict
-from ..parallel import build_strategy
+from ..parallel import build_strategy, preload
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .distributed import DistContext, all_reduce_max, check_launcher_env, init_distributed, solve_batch
 from .optim import build_optimizer
@@ -242,6 +242,7 @@ def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
     if cfg.schedule.max_steps is not None:
         total_steps = min(total_steps, cfg.schedule.max_steps)
 
+    preload(cfg.parallel.strategy)  # library code belongs to the baseline, not to the model's memory
     base_mem = round(_peak_memory_mb(ctx.device), 1)  # before the model: what the process costs without it
     model = build_model(cfg, meta=cfg.parallel.meta_init)
     strategy = build_strategy(model, cfg.parallel, ctx.device, ctx.world_size, cfg.optim.grad_clip)
