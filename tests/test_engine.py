@@ -258,7 +258,7 @@ def test_a_killed_rank_ends_the_job(fm_tree, tmp_path):
     assert proc.returncode != 0 and time.time() - t0 < 120  # the survivor did not hang
 
 
-def test_bad_recipe_is_refused_before_any_process(tmp_path, fm_tree):
+def test_bad_recipe_is_refused_before_any_process(tmp_path, fm_tree, fm_wds):
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "zero9"})
     res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
     assert res.returncode == 2 and "parallel.strategy = 'zero9' is not allowed" in res.stderr
@@ -266,6 +266,10 @@ def test_bad_recipe_is_refused_before_any_process(tmp_path, fm_tree):
     r = tiny_recipe(tmp_path / "r2.yaml", "imagefolder", tmp_path / "nowhere", tmp_path / "out")
     res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
     assert res.returncode == 2 and "does not exist" in res.stderr
+    r = tiny_recipe(tmp_path / "r3.yaml", "wds", fm_wds, tmp_path / "out", data={"subset_fraction": 0.5})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    assert res.returncode == 2 and "shards hold subset_fraction=1.0, the recipe asks 0.5" in res.stderr
+    assert "torch.distributed" not in res.stderr and not (tmp_path / "out").exists()
 
 
 def test_tensorboard_events_match_metrics(fm_tree, tmp_path):
