@@ -63,15 +63,20 @@ def _model_worker(spec: dict) -> dict:
 
     for _ in range(spec["warmup"]):
         step()
+    dt = _timed(step, spec["steps"], device)
+    return {"images_per_s": spec["batch"] * spec["steps"] / dt, "peak_mb": (_peak_bytes(device) - base) / 2**20}
+
+
+def _timed(step, n: int, device: torch.device) -> float:
+    """Seconds for ``n`` calls of ``step``, with the device's queue drained before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(spec["steps"]):
+    for _ in range(n):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    return {"images_per_s": spec["batch"] * spec["steps"] / dt, "peak_mb": (_peak_bytes(device) - base) / 2**20}
+    return time.perf_counter() - t0
 
 
 def _rss_now() -> int:
@@ -152,14 +157,8 @@ def _train_worker(spec: dict) -> dict:
     for _ in range(spec["warmup"]):
         step()
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for _ in range(spec["steps"]):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    dt = _timed(step, spec["steps"], device)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {"images_per_s": spec["batch"] * spec["steps"] / dt, "peak_mb": peak}
 
@@ -179,8 +178,8 @@ def bench_mfu(models: list[str], batch: int, steps: int, warmup: int, device: st
         achieved = r["images_per_s"] * flops / 1e12
         rows[name] = {**r, "train_gflops_per_image": flops / 1e9, "achieved_tflops": achieved,
                       "mfu": achieved / peak if peak else None}
-    return {"device": device, "device_name": torch.cuda.get_device_name(torch.device(device))
-            if device.startswith("cuda") and torch.cuda.is_available() else "cpu",
+    on_gpu = device.startswith("cuda") and torch.cuda.is_available()
+    return {"device": device, "device_name": torch.cuda.get_device_name(torch.device(device)) if on_gpu else "cpu",
             "precision": precision, "batch": batch, "steps": steps, "compile": compile_blocks,
             "peak_tflops": peak, "results": rows}
 
@@ -273,9 +272,9 @@ def bench_data(work: Path, seconds: float, rounds: int) -> dict:
 
 # -- memory: peak per rank of each strategy against the ideal -------------------------------------------------
 def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strategies: list[str]) -> dict:
-    """Per strategy and world size, per rank: the model state (memory of live tensors after an optimizer
-    step), the peak RSS during a few real training steps and the peak of set-up, both above the process
-    baseline before the model exists."""
+    """Per strategy and world size, per rank: the model state (memory of live tensors after backward, once
+    the optimizer moments exist), the peak RSS during a few real training steps and the peak of set-up,
+    both above the process baseline before the model exists."""
     from data_prep.fashion_mnist import build_tree
 
     from .commands import launch_torchrun
@@ -308,7 +307,7 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
                 continue
             peak = max(train[-1]["peak_mem_mb"]) - train[-1]["base_mem_mb"]  # during the training steps
             setup = train[-1]["setup_peak_mem_mb"] - train[-1]["base_mem_mb"]  # building and sharding (rank 0)
-            state = max(train[-1]["state_mem_mb"])  # live tensors after an optimizer step: the model state
+            state = max(train[-1]["state_mem_mb"])  # live tensors after backward: the model state
             ideal = 16 * params / world / 2**20
             rows.append({"strategy": s, "world": world, "state_mb": state, "state_vs_ideal": state / ideal,
                          "peak_mb": peak, "vs_ideal": peak / ideal, "setup_peak_mb": setup,
@@ -350,10 +349,7 @@ def _distill_worker(spec: dict) -> dict:
         loss.backward()
 
     step()
-    t0 = time.perf_counter()
-    for _ in range(spec["steps"]):
-        step()
-    return {"images_per_s": spec["batch"] * spec["steps"] / (time.perf_counter() - t0)}
+    return {"images_per_s": spec["batch"] * spec["steps"] / _timed(step, spec["steps"], device)}
 
 
 def _cmd_bench(args) -> int:

@@ -19,13 +19,13 @@ def preflight(cfg) -> None:
             raise DataError("data.train_path is empty: point it at prepared shards or an ImageFolder tree")
         if loc and "{name}" not in loc and not Path(loc).exists():
             raise DataError(f"data.{key}: {loc} does not exist")
-    if d.format == "wds" and "://" not in d.train_path:
+    if d.format == "wds":
         # the manifest alone: splits present, subset made at conversion matches the recipe's
         from .data import LoaderSpec
         from .data.loaders import WdsLoader
 
         for split, loc in (("train", d.train_path), ("val", d.val_path)):
-            if loc:
+            if loc and "://" not in loc:
                 WdsLoader(d, LoaderSpec(split, 32, 1))
     if cfg.log.tensorboard:
         try:

@@ -102,34 +102,34 @@ def test_two_ranks_match_single_process(fm_tree, tmp_path, reference_losses, str
         assert abs(a - b) < 1e-5, (strategy, got, reference_losses)
 
 
+def _assert_resume_is_bit_identical(tmp_path, fmt, data_dir, stop, total, **kw):
+    """An uninterrupted run of `total` steps against one stopped at `stop` (its checkpoint) and resumed:
+    the same per-step losses, bit for bit (fp32 on CPU)."""
+    kw["checkpoint"] = {"every_steps": stop}
+    full = tiny_recipe(tmp_path / "a.yaml", fmt, data_dir, tmp_path / "a", schedule={"max_steps": total}, **kw)
+    assert run_cli("train", "--recipe", str(full), "--nproc-per-node", "2").returncode == 0
+    part = tiny_recipe(tmp_path / "b.yaml", fmt, data_dir, tmp_path / "b", schedule={"max_steps": stop}, **kw)
+    assert run_cli("train", "--recipe", str(part), "--nproc-per-node", "2").returncode == 0
+    res = run_cli("train", "--recipe", str(part), "--nproc-per-node", "2", f"schedule.max_steps={total}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and f"step_{stop:09d}" in res.stdout
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
+    assert len(losses(tmp_path / "a")) == total
+
+
 @pytest.mark.slow
 def test_resume_is_bit_identical_fsdp2_wds(fm_wds, tmp_path):
     """Stopped at step 3 and resumed: the same per-step losses as an uninterrupted run (workers 2)."""
-    kw = dict(data={"num_workers": 2, "rand_augment": "rand-m9-mstd0.5-inc1"}, checkpoint={"every_steps": 3})
-    full = tiny_recipe(tmp_path / "a.yaml", "wds", fm_wds, tmp_path / "a", schedule={"max_steps": 6}, **kw)
-    assert run_cli("train", "--recipe", str(full), "--nproc-per-node", "2").returncode == 0
-    part = tiny_recipe(tmp_path / "b.yaml", "wds", fm_wds, tmp_path / "b", schedule={"max_steps": 3}, **kw)
-    assert run_cli("train", "--recipe", str(part), "--nproc-per-node", "2").returncode == 0
-    res = run_cli("train", "--recipe", str(part), "--nproc-per-node", "2", "schedule.max_steps=6")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout and "step_000000003" in res.stdout
-    assert losses(tmp_path / "b") == losses(tmp_path / "a")  # bit-identical, fp32 on CPU
-    assert len(losses(tmp_path / "a")) == 6
+    _assert_resume_is_bit_identical(tmp_path, "wds", fm_wds, 3, 6,
+                                    data={"num_workers": 2, "rand_augment": "rand-m9-mstd0.5-inc1"})
 
 
 @pytest.mark.slow
 def test_resume_is_bit_identical_zero3(fm_tree, tmp_path):
     """DeepSpeed's own checkpoint, several optimizer sub-groups per rank, partitions shared with the
     master weights: stopped at step 2 and resumed gives the losses of an uninterrupted run."""
-    kw = dict(parallel={"strategy": "zero3", "zero_bucket_elements": 8000}, checkpoint={"every_steps": 2})
-    full = tiny_recipe(tmp_path / "a.yaml", "imagefolder", fm_tree, tmp_path / "a", schedule={"max_steps": 4}, **kw)
-    assert run_cli("train", "--recipe", str(full), "--nproc-per-node", "2").returncode == 0
-    part = tiny_recipe(tmp_path / "b.yaml", "imagefolder", fm_tree, tmp_path / "b", schedule={"max_steps": 2}, **kw)
-    assert run_cli("train", "--recipe", str(part), "--nproc-per-node", "2").returncode == 0
-    res = run_cli("train", "--recipe", str(part), "--nproc-per-node", "2", "schedule.max_steps=4")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout and "step_000000002" in res.stdout
-    assert losses(tmp_path / "b") == losses(tmp_path / "a") and len(losses(tmp_path / "a")) == 4
+    _assert_resume_is_bit_identical(tmp_path, "imagefolder", fm_tree, 2, 4,
+                                    parallel={"strategy": "zero3", "zero_bucket_elements": 8000})
 
 
 @pytest.mark.slow
@@ -141,7 +141,8 @@ def test_sharded_model_state_is_near_the_ideal(fm_tree, tmp_path, strategy):
     extra = {"zero_bucket_elements": 100_000} if strategy == "zero3" else {}
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out",
                     model={"name": "convit_tiny", "img_size": 32}, data={"global_batch_size": 4},
-                    parallel={"strategy": strategy, **extra}, schedule={"max_steps": 2}, checkpoint={"every_steps": 100})
+                    parallel={"strategy": strategy, **extra}, schedule={"max_steps": 2},
+                    checkpoint={"every_steps": 100})
     res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     params = sum(p.numel() for p in create_model("convit_tiny", num_classes=10, img_size=32).parameters())

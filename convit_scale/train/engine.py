@@ -70,9 +70,10 @@ def _peak_memory_mb(device: torch.device) -> float:
 def _tensor_memory_mb(device: torch.device, module: torch.nn.Module) -> float:
     """Memory held by live tensors on this rank. Taken after backward, before the optimizer step: the
     model state (parameters, gradients, optimizer moments) and the strategy's persistent buffers, without
-    allocator slack, freed activations or the communication library's own buffers. CUDA: the caching allocator's count; CPU: every tensor
-    storage reachable from Python, each counted once (views and shards of one flat buffer included);
-    tensors that live only in C++ (DDP's reducer buckets) are not seen."""
+    allocator slack, freed activations or the communication library's own buffers. CUDA: the caching
+    allocator's count; CPU: every tensor storage reachable from Python, each counted once (views and
+    shards of one flat buffer included); tensors that live only in C++ (DDP's reducer buckets) are not
+    seen."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
     import gc
@@ -418,9 +419,8 @@ def _checksum(module) -> float:
 def _fault_injection(step: int, micro: int, ctx: DistContext) -> bool:
     """CONVIT_SCALE_NAN_AT_STEP=s[:m][,...]: make rank 0's loss of step s (micro-batch m, default 0)
     non-finite (tests of the NaN policy)."""
-    spec = os.environ.get("CONVIT_SCALE_NAN_AT_STEP")
-    return bool(spec) and ctx.rank == 0 and (f"{step}:{micro}" in spec.split(",")
-                                             or (micro == 0 and str(step) in spec.split(",")))
+    marks = os.environ.get("CONVIT_SCALE_NAN_AT_STEP", "").split(",")
+    return ctx.rank == 0 and (f"{step}:{micro}" in marks or (micro == 0 and str(step) in marks))
 
 
 def main(argv: list[str] | None = None) -> int:
