@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .metrics import read_records
+
 # -- model: training throughput and peak memory -------------------------------------------------------------
 MODEL_CANDIDATES = {
     "ours_fast": ("convit_small", "fast"),
@@ -277,7 +279,7 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
     both above the process baseline before the model exists."""
     from data_prep.fashion_mnist import build_tree
 
-    from .commands import launch_torchrun
+    from .train.launch import run_recipe
     from .models import create_model
 
     tree = build_tree(work / "tree", {"train": 20, "val": 4})
@@ -294,12 +296,8 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
                          "checkpoint.resume=none", f"run.output_dir={out}"]
             recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "demo.yaml")
             env = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
-            if world == 1:
-                rc = subprocess.call([sys.executable, "-m", "convit_scale.train", "--recipe", recipe, *overrides],
-                                     env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            else:
-                rc = launch_torchrun(recipe, overrides, world, env=env)
-            recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
+            rc = run_recipe(recipe, overrides, world, env=env, quiet=world == 1)
+            recs = read_records(out) if rc == 0 else []
             shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 2 GB per configuration, not needed
             train = [r for r in recs if r["kind"] == "train"]
             if not train:

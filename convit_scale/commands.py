@@ -8,36 +8,6 @@ import sys
 from pathlib import Path
 
 
-def preflight(cfg) -> None:
-    """Checks that must pass before any worker process starts: data present, teacher file loads."""
-    from .data import DataError
-
-    d = cfg.data
-    for key in ("train_path", "val_path"):
-        loc = getattr(d, key)
-        if key == "train_path" and not loc:
-            raise DataError("data.train_path is empty: point it at prepared shards or an ImageFolder tree")
-        if loc and "{name}" not in loc and not Path(loc).exists():
-            raise DataError(f"data.{key}: {loc} does not exist")
-    if d.format == "wds":
-        # the manifest alone: splits present, subset made at conversion matches the recipe's
-        from .data import LoaderSpec
-        from .data.loaders import WdsLoader
-
-        for split, loc in (("train", d.train_path), ("val", d.val_path)):
-            if loc and "://" not in loc:
-                WdsLoader(d, LoaderSpec(split, 32, 1))
-    if cfg.log.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as e:
-            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from e
-    if cfg.distill.enabled:
-        from .train.distill import build_teacher
-
-        build_teacher(cfg)
-
-
 # -- prep ---------------------------------------------------------------------------------------------
 def _cmd_prep(args) -> int:
     from data_prep import PrepError, PrepOptions, prepare, verify
@@ -93,21 +63,11 @@ def _add_prep(sub) -> None:
 
 
 # -- train ----------------------------------------------------------------------------------------------
-def launch_torchrun(recipe: str, overrides: list[str], nproc: int, env: dict | None = None) -> int:
-    """Start ``nproc`` local ranks with torchrun (static rendezvous on a free port)."""
-    from .train.distributed import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "convit_scale.train",
-           "--recipe", recipe, *overrides]
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                     **(env or {})})
-
-
 def _cmd_train(args) -> int:
     from .config import load_config
     from .data import DataError
     from .models.checkpoints import CheckpointMismatch
+    from .train.launch import preflight, run_recipe
 
     cfg = load_config(args.recipe, args.overrides)  # refused here, before any process starts
     try:
@@ -115,11 +75,7 @@ def _cmd_train(args) -> int:
     except (DataError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.nproc_per_node and args.nproc_per_node > 1:
-        return launch_torchrun(args.recipe, args.overrides, args.nproc_per_node)
-    from .train.engine import main
-
-    return main(["--recipe", args.recipe, *args.overrides])
+    return run_recipe(args.recipe, args.overrides, args.nproc_per_node or 1, in_process=True, checked=True)
 
 
 def _add_train(sub) -> None:

@@ -10,27 +10,24 @@ A second run does not redo finished work: conversions are skipped and a finished
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
+
+from .metrics import read_records
 
 REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def _finished(run_dir: Path) -> dict | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    ends = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "end"]
+    ends = read_records(run_dir, "end")
     return ends[-1] if ends and Path(ends[-1]["checkpoint"]).is_dir() else None
 
 
 def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], seconds: dict):
     from rich.table import Table
 
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    evals = [r for r in recs if r["kind"] == "eval"]
+    train = read_records(run_dir, "train")
+    evals = read_records(run_dir, "eval")
     ips = [r["images_per_s"] for r in train[len(train) // 4:]] or [0.0]
     table = Table(title="convit-scale demo")
     table.add_column("what")
@@ -61,8 +58,8 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
 
     from .analysis.cli import eval_batches
     from .analysis.report import analyze
-    from .commands import launch_torchrun
     from .config import load_config
+    from .train.launch import run_recipe
     from .train.export import load_trained_model
 
     console = Console()
@@ -90,7 +87,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     if end is not None:
         console.print(f"already trained ({end['step']} steps): {end['checkpoint']}; delete {run_dir} to retrain")
     else:
-        rc = launch_torchrun(recipe, overrides, nproc) if nproc > 1 else _train_here(recipe, overrides)
+        rc = run_recipe(recipe, overrides, nproc, in_process=True)
         if rc != 0:
             raise SystemExit(f"error: training exited with status {rc}; run `make demo` again to resume")
         end = _finished(run_dir)
@@ -104,12 +101,6 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     seconds["analysis"] = time.time() - t2
     console.print(_summary_table(run_dir, out, end, result["files"], seconds))
     return {"end": end, "analysis": result, "run_dir": str(run_dir)}
-
-
-def _train_here(recipe: str, overrides: list[str]) -> int:
-    from .train.engine import main
-
-    return main(["--recipe", recipe, *overrides])
 
 
 def _cmd_demo(args) -> int:

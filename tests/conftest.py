@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from convit_scale.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -66,10 +67,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
 
 
 def records(out: Path, kind: str = "train") -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+    return read_records(out, kind)
 
 
 def losses(out: Path) -> list[float]:

@@ -14,6 +14,7 @@ import torch
 
 from ..models.convit import GPSA, ConViT
 from .cka import MinibatchCKA
+from ..metrics import read_records
 from .metrics import attention_distance_px, attention_maps, gating, nonlocality
 
 
@@ -77,9 +78,7 @@ def cka_matrix(a: ConViT, b: ConViT, batches) -> torch.Tensor:
 
 def history(run_dir: Path) -> dict:
     """Gating and nonlocality over training, from a run's metrics.jsonl."""
-    path = Path(run_dir) / "metrics.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    recs = [r for r in recs if r["kind"] == "analysis"]
+    recs = read_records(run_dir, "analysis")
     return {"epoch": [r["epoch"] for r in recs], "gating": [r["gating"] for r in recs],
             "nonlocality": [r["nonlocality"] for r in recs]}
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..metrics import read_records
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu" / "sample_efficiency.yaml"
 
 
@@ -14,9 +16,8 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
-    from ..commands import launch_torchrun
     from ..config import load_config
-    from ..train.engine import main as train_main
+    from ..train.launch import run_recipe
     from .plots import sample_efficiency
 
     out = out.resolve()
@@ -33,8 +34,7 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
             load_config(RECIPE, overrides)
             ends = _ends(run)
             if not ends:
-                rc = (launch_torchrun(str(RECIPE), overrides, nproc) if nproc > 1
-                      else train_main(["--recipe", str(RECIPE), *overrides]))
+                rc = run_recipe(RECIPE, overrides, nproc, in_process=True)
                 if rc != 0:
                     raise SystemExit(f"error: training {run} exited with status {rc}")
                 ends = _ends(run)
@@ -51,7 +51,4 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
 
 
 def _ends(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "end" and "top1" in r]
+    return [r for r in read_records(run, "end") if "top1" in r]

@@ -7,7 +7,6 @@ micro-batches) -> periodic eval, analysis, checkpoints -> final eval and checkpo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -25,6 +24,7 @@ from ..config import Config, model_options
 from ..data import LoaderSpec, build_loader
 from ..data.plan import sample_seed
 from ..data.transforms import build_mixup, seed_all
+from ..metrics import MetricsWriter
 from ..models import MODELS, create_model
 from ..models.checkpoints import convert_state_dict, check_state_dict, read_state_dict
 from ..parallel import build_strategy, preload
@@ -105,34 +105,6 @@ def _reset_peak_memory(device: torch.device) -> None:
             f.write("5")  # Linux >= 4.0: reset the peak resident set size (VmHWM)
     except OSError:
         pass
-
-
-class MetricsWriter:
-    """metrics.jsonl (and optional TensorBoard) on rank 0."""
-
-    def __init__(self, out: Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
-        self.file = open(out / "metrics.jsonl", "a") if enabled else None
-        self.tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out / "tensorboard"))
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            step = record.get("step", 0)
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.tb.add_scalar(f"{record['kind']}/{k}", v, step)
-                elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):  # per rank
-                    for i, x in enumerate(v):
-                        self.tb.add_scalar(f"{record['kind']}/{k}/{i}", x, step)
-            self.tb.flush()
 
 
 def _progress(enabled: bool):
@@ -423,23 +395,31 @@ def _fault_injection(step: int, micro: int, ctx: DistContext) -> bool:
     return ctx.rank == 0 and (f"{step}:{micro}" in marks or (micro == 0 and str(step) in marks))
 
 
+def _launch_rank() -> int:
+    """This process's rank as the launcher set it, before any process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from ..config import ConfigError, load_config
+    from ..data import DataError
+    from ..models.checkpoints import CheckpointMismatch
+    from .launch import preflight
 
     parser = argparse.ArgumentParser(prog="python -m convit_scale.train")
     parser.add_argument("--recipe", required=True)
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="skip the start-up checks (the launching process has run them)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
-    except ValueError as e:
+        if not args.no_preflight and _launch_rank() == 0:  # before the process group: the other ranks
+            preflight(cfg)                                  # wait at the rendezvous and are stopped with it
+    except (ConfigError, DataError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -1,0 +1,55 @@
+"""metrics.jsonl: the one writer (rank 0, optional TensorBoard beside it) and the one reader.
+
+Each line is one record with a ``kind`` (train, eval, analysis, stopped, distill, end) and, except for
+``end``, the optimizer ``step`` it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FILENAME = "metrics.jsonl"
+
+
+def read_records(run_dir: str | Path, kind: str | None = None) -> list[dict]:
+    """Every record of a run (of one ``kind`` when given), in the order written; [] without a file."""
+    path = Path(run_dir) / FILENAME
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records if kind is None else [r for r in records if r.get("kind") == kind]
+
+
+class MetricsWriter:
+    """metrics.jsonl (and optional TensorBoard) on rank 0; a no-op elsewhere."""
+
+    def __init__(self, out: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = open(Path(out) / FILENAME, "a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(out) / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(f"{record['kind']}/{k}", v, step)
+                elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):  # per rank
+                    for i, x in enumerate(v):
+                        self.tb.add_scalar(f"{record['kind']}/{k}/{i}", x, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()

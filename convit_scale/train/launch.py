@@ -1,0 +1,77 @@
+"""Start a recipe: the checks that run before any process starts, and "this recipe on N local processes".
+
+Every entry point goes through here: ``convit-scale train``, the demo, the experiments and the benchmarks
+call :func:`run_recipe`; ``python -m convit_scale.train`` (torchrun, srun, accelerate) runs
+:func:`preflight` on rank 0 before the process group forms.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def preflight(cfg) -> None:
+    """Checks that must pass before any worker process starts: data present, teacher file loads."""
+    from ..data import DataError
+
+    d = cfg.data
+    for key in ("train_path", "val_path"):
+        loc = getattr(d, key)
+        if key == "train_path" and not loc:
+            raise DataError("data.train_path is empty: point it at prepared shards or an ImageFolder tree")
+        if loc and "{name}" not in loc and not Path(loc).exists():
+            raise DataError(f"data.{key}: {loc} does not exist")
+    if d.format == "wds":
+        # the manifest alone: splits present, subset made at conversion matches the recipe's
+        from ..data import LoaderSpec
+        from ..data.loaders import WdsLoader
+
+        for split, loc in (("train", d.train_path), ("val", d.val_path)):
+            if loc and "://" not in loc:
+                WdsLoader(d, LoaderSpec(split, 32, 1))
+    if cfg.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as e:
+            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from e
+    if cfg.distill.enabled:
+        from .distill import build_teacher
+
+        build_teacher(cfg)
+
+
+def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, quiet: bool = False) -> int:
+    """Start ``nproc`` local ranks of ``python -m convit_scale.train TRAIN_ARGS`` with torchrun (static
+    rendezvous on a free port)."""
+    from .distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "convit_scale.train",
+           *train_args]
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                     **(env or {})}, stdout=out, stderr=out)
+
+
+def run_recipe(recipe: str | Path, overrides: list[str], nproc: int = 1, env: dict | None = None,
+               in_process: bool = False, checked: bool = False, quiet: bool = False) -> int:
+    """Train ``recipe`` with ``overrides`` on ``nproc`` local processes; returns the exit status.
+
+    nproc > 1 starts torchrun (static rendezvous on a free port). nproc == 1 runs in this process when
+    ``in_process`` (no second interpreter) and otherwise in a child process, so that a library caller keeps
+    its own state. ``checked``: the caller has already run :func:`preflight` on this recipe."""
+    if nproc < 1:
+        raise ValueError(f"nproc = {nproc}: the number of local processes must be at least 1")
+    args = (["--no-preflight"] if checked else []) + ["--recipe", str(recipe), *overrides]
+    if nproc > 1:
+        return launch_torchrun(args, nproc, env=env, quiet=quiet)
+    if in_process and not env:
+        from .engine import main
+
+        return main(args)
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.call([sys.executable, "-m", "convit_scale.train", *args], env={**os.environ, **(env or {})},
+                           stdout=out, stderr=out)
