@@ -75,7 +75,11 @@ def _cmd_train(args) -> int:
     except (DataError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run_recipe(args.recipe, args.overrides, args.nproc_per_node or 1, in_process=True, checked=True)
+    try:
+        return run_recipe(args.recipe, args.overrides, args.nproc_per_node or 1, in_process=True, checked=True)
+    except ValueError as e:  # refused before any process starts (world size, global batch)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _add_train(sub) -> None:

@@ -187,6 +187,10 @@ class LogConfig:
     """Rich progress bar on rank 0."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
+    debug_memory: bool = False
+    """Record `state_mem_mb` once: memory of the live tensors after backward (walks every tensor on CPU)."""
+    debug_digest: bool = False
+    """Record a digest of weights and optimizer state per rank after every step, and the teacher's checksums."""
 
 
 @dataclass
@@ -198,7 +202,7 @@ class RunConfig:
     eval_every_epochs: int = 1
     """Evaluate every this many epochs and at the end."""
     nonfinite_policy: Literal["skip", "stop"] = "skip"
-    """On a NaN/inf loss: skip the step (and count it) or stop without saving."""
+    """On a NaN/inf loss or gradient norm: skip the step (and count it) or stop without saving."""
     max_skipped_steps: int = 10
     """With 'skip': stop after this many consecutive non-finite steps."""
 

@@ -7,6 +7,7 @@ Each line is one record with a ``kind`` (train, eval, analysis, stopped, distill
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 FILENAME = "metrics.jsonl"
@@ -21,11 +22,39 @@ def read_records(run_dir: str | Path, kind: str | None = None) -> list[dict]:
     return records if kind is None else [r for r in records if r.get("kind") == kind]
 
 
-class MetricsWriter:
-    """metrics.jsonl (and optional TensorBoard) on rank 0; a no-op elsewhere."""
+def truncate_after(run_dir: str | Path, step: int) -> None:
+    """Drop the records of steps after ``step`` (a resume from that step's checkpoint logs them again), so that
+    every step appears once after a crash and resume. Rewritten atomically."""
+    path = Path(run_dir) / FILENAME
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(FILENAME + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
-    def __init__(self, out: Path, enabled: bool, tensorboard: bool):
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """metrics.jsonl (and optional TensorBoard) on rank 0; a no-op elsewhere. Numbers that are not finite are
+    written as null: strict JSON readers refuse bare NaN/Infinity."""
+
+    def __init__(self, out: Path, enabled: bool, tensorboard: bool, start_step: int | None = None):
         self.enabled = enabled
+        if enabled and start_step is not None:
+            truncate_after(out, start_step)
         self.file = open(Path(out) / FILENAME, "a") if enabled else None
         self.tb = None
         if enabled and tensorboard:
@@ -36,7 +65,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             step = record.get("step", 0)

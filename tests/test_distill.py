@@ -45,7 +45,7 @@ def _recipe(tmp_path, name, fm_wds, teacher_file, strategy, distill=True, token=
         model={"name": "deit_nano" if token else "convit_nano", "distill_token": token},
         data={"mixup": 0.0, "cutmix": 0.0, "rand_augment": None, "reprob": 0.0},
         optim={"base_lr": 2e-2}, schedule={"epochs": 2, "warmup_epochs": 0, **sched},
-        parallel={"strategy": strategy}, checkpoint={"every_steps": 20},
+        parallel={"strategy": strategy}, checkpoint={"every_steps": 20}, log={"debug_digest": True},
         distill={"enabled": distill, "teacher_model": TEACHER, "teacher_checkpoint": str(teacher_file),
                  "type": "hard", "alpha": 0.5})
 

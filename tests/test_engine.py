@@ -142,7 +142,7 @@ def test_sharded_model_state_is_near_the_ideal(fm_tree, tmp_path, strategy):
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out",
                     model={"name": "convit_tiny", "img_size": 32}, data={"global_batch_size": 4},
                     parallel={"strategy": strategy, **extra}, schedule={"max_steps": 2},
-                    checkpoint={"every_steps": 100})
+                    checkpoint={"every_steps": 100}, log={"debug_memory": True})
     res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
     assert res.returncode == 0, res.stderr[-3000:]
     params = sum(p.numel() for p in create_model("convit_tiny", num_classes=10, img_size=32).parameters())

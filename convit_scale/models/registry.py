@@ -80,10 +80,13 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
     kwargs.update(options)
     # Always build on the meta device and initialise once with init_weights(): construction costs no
     # memory or RNG, and an eager build equals a meta build followed by to_empty + init_weights.
+    # The target is the default device when none is given, so `with torch.device("meta"): create_model(...)`
+    # (FSDP2's usual idiom) builds on meta exactly like `device="meta"`.
+    target = torch.device(device) if device is not None else torch.get_default_device()
     with torch.device("meta"):
         model = ConViT(**kwargs)
-    if torch.device(device or "cpu").type != "meta":
-        model.to_empty(device=device or "cpu")
+    if target.type != "meta":
+        model.to_empty(device=target)
         model.init_weights()
     if pretrained_file is not None:
         from .checkpoints import load_pretrained

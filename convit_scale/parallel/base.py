@@ -1,4 +1,11 @@
-"""The one small interface every strategy (DDP, FSDP2, DeepSpeed ZeRO) implements for the loop."""
+"""The one small interface every strategy (DDP, FSDP2, DeepSpeed ZeRO) implements for the loop.
+
+Two names, never more: ``wrapped`` is the module the loop calls (DDP, an FSDP2-sharded model, a DeepSpeed
+engine), ``module`` is the ConViT itself (its parameters may be sharded).
+
+A step is ``backward`` per micro-batch, then ``clip_gradients`` (the global gradient norm stays on the device:
+the loop folds its finiteness into the step's one reduction), then ``step`` or ``skip_step``.
+"""
 
 from __future__ import annotations
 
@@ -16,21 +23,20 @@ class Strategy:
     """Owns the wrapped model and its optimizer; the loop only calls these methods."""
 
     name = "base"
+    scales_loss = False
+    """True where a loss scaler (fp16) owns overflowing gradients: it skips those steps and lowers the scale
+    itself, so a non-finite gradient norm is not a bad step there (a non-finite loss still is)."""
 
     def __init__(self, model: nn.Module, p: ParallelConfig, device: torch.device, world_size: int,
                  grad_clip: float | None = None):
         self.p, self.device, self.world_size, self.grad_clip = p, device, world_size, grad_clip
-        self.model = model  # the module to call for forward (possibly wrapped)
+        self.module = model  # the ConViT itself
+        self.wrapped: nn.Module = model  # what forward calls; set by setup()
         self.optimizer: torch.optim.Optimizer | None = None
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
         raise NotImplementedError
-
-    @property
-    def module(self) -> nn.Module:
-        """The ConViT itself (parameters may be sharded)."""
-        return self.model
 
     # -- one step ------------------------------------------------------------------------------
     def autocast(self):
@@ -42,17 +48,22 @@ class Strategy:
 
     def forward(self, x: torch.Tensor):
         with self.autocast():
-            return self.model(x)
+            return self.wrapped(x)
 
     def backward(self, loss: torch.Tensor, is_last_micro: bool, grad_accum: int) -> None:
         raise NotImplementedError
 
-    def step(self) -> float:
-        """Clip (if the recipe asks), step, zero gradients; returns the global gradient norm before clipping."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip (if the recipe asks) and return the global gradient norm before clipping, as a tensor on the
+        device (no host synchronisation)."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Apply the optimizer step and zero the gradients."""
         raise NotImplementedError
 
     def skip_step(self) -> None:
-        """Discard the accumulated gradients of a step with a non-finite loss."""
+        """Discard the accumulated gradients of a bad step; weights and optimizer state stay as they were."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
@@ -60,7 +71,7 @@ class Strategy:
             g["lr"] = lr
 
     def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
+        self.wrapped.train(mode)
 
     # -- state ---------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
@@ -77,11 +88,18 @@ class Strategy:
         """Load a full (unsharded) model state dict held on every rank, e.g. published weights."""
         raise NotImplementedError
 
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """This rank's share of the weights the optimizer updates and of its state (debug digests)."""
+        opt = self.optimizer
+        out = [p for g in opt.param_groups for p in g["params"]]
+        out += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return [t.to_local() if hasattr(t, "to_local") else t for t in out]
 
-def clip_and_norm(params, grad_clip: float | None) -> float:
-    """Global gradient norm (DTensor-aware); clips when ``grad_clip`` is set."""
+
+def clip_and_norm(params, grad_clip: float | None) -> torch.Tensor:
+    """Global gradient norm (DTensor-aware) as a device tensor; clips when ``grad_clip`` is set."""
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm

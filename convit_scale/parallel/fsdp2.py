@@ -7,14 +7,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .base import Strategy, clip_and_norm
-from .ddp import DCPStateMixin
+from .dcp import DCPStateMixin
 
 
 class FSDP2Strategy(DCPStateMixin, Strategy):
     name = "fsdp2"
 
     def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
-        p, model = self.p, self.model
+        p, model = self.p, self.module
         if p.hsdp_replicas > 1:
             if self.world_size % p.hsdp_replicas:
                 raise ValueError(f"parallel.hsdp_replicas = {p.hsdp_replicas} does not divide the world size {self.world_size}")
@@ -30,7 +30,9 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         kwargs = dict(mesh=mesh, reshard_after_forward=p.reshard_after_forward)
         if mp is not None:
             kwargs["mp_policy"] = mp
-        # Order matters (as in torchtitan): activation checkpointing -> compile -> shard blocks -> shard root.
+        # Order (as in torchtitan): activation checkpointing -> compile -> shard blocks -> shard root. The
+        # model's forward wraps each (compiled) block in torch.utils.checkpoint, so checkpointing sits outside
+        # compile: the compiled block is recomputed whole in backward.
         if p.activation_checkpointing:
             model.set_grad_checkpointing(True)
         for i, block in enumerate(model.blocks):
@@ -42,6 +44,7 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         if p.meta_init:  # built on the meta device: materialise the local shards, then initialise them
             model.to_empty(device=self.device)
             model.init_weights()
+        self.wrapped = model
         self.optimizer = optimizer_fn(model)
 
     def autocast(self):
@@ -50,15 +53,16 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         return contextlib.nullcontext()  # the MixedPrecisionPolicy casts parameters and inputs
 
     def forward(self, x):
-        return self.model(x)
+        return self.wrapped(x)
 
     def backward(self, loss, is_last_micro, grad_accum):
         # Accumulate locally; reduce-scatter only on the last micro-batch of the step.
-        self.model.set_requires_gradient_sync(is_last_micro)
+        self.wrapped.set_requires_gradient_sync(is_last_micro)
         (loss / grad_accum).backward()
 
+    def clip_gradients(self):
+        return clip_and_norm(self.module.parameters(), self.grad_clip)
+
     def step(self):
-        norm = clip_and_norm(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm

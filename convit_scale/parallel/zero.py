@@ -86,26 +86,27 @@ def cpu_adam_like(optimizer: torch.optim.Optimizer):
 
 
 class ZeroStrategy(Strategy):
+    """DeepSpeed ZeRO-1/2/3. DeepSpeed clips and steps inside its engine, and discards a step whose gradient norm
+    is not finite itself (its overflow check): the step happens in ``clip_gradients``, at the accumulation
+    boundary, so that DeepSpeed's own accumulation state is reset whether or not the update was applied."""
+
     name = "zero"
 
     def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
         import deepspeed
 
         if self.p.activation_checkpointing:
-            self.model.set_grad_checkpointing(True)
-        self._module = self.model
-        num_params = sum(p.numel() for p in self.model.parameters())
-        optimizer = optimizer_fn(self.model)
+            self.module.set_grad_checkpointing(True)
+        num_params = sum(p.numel() for p in self.module.parameters())
+        optimizer = optimizer_fn(self.module)
         if self.p.zero_offload:
             optimizer = cpu_adam_like(optimizer)
         cfg = deepspeed_config(self.p, micro_batch, grad_accum, self.world_size, num_params, self.grad_clip)
         share_fp32_master_partitions()
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=cfg)
-        self.model = self.engine
-
-    @property
-    def module(self):
-        return self.engine.module
+        self._engine, self.optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=cfg)
+        self.wrapped = self._engine
+        self.module = self._engine.module
+        self.scales_loss = self.p.precision == "fp16"  # DeepSpeed's dynamic loss scaling
 
     def autocast(self):
         import contextlib
@@ -115,39 +116,46 @@ class ZeroStrategy(Strategy):
     def forward(self, x):
         if self.p.precision != "fp32":
             x = x.to(torch.bfloat16 if self.p.precision == "bf16" else torch.float16)
-        return self.engine(x)
+        return self._engine(x)
 
     def backward(self, loss, is_last_micro, grad_accum):
-        self.engine.set_gradient_accumulation_boundary(is_last_micro)
-        self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        self._engine.set_gradient_accumulation_boundary(is_last_micro)
+        self._engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+
+    def clip_gradients(self):
+        # clipping was configured at set-up (DeepSpeed's ZeRO optimizers take it at construction)
+        self._engine.set_gradient_accumulation_boundary(True)
+        self._engine.step()
+        norm = self._engine.get_global_grad_norm()
+        if norm is None or not self._engine.was_step_applied():
+            norm = float("inf")  # DeepSpeed found the gradients non-finite and discarded the update
+        return torch.as_tensor(float(norm), device=self.device)
 
     def step(self):
-        # clipping was configured at set-up (DeepSpeed's ZeRO optimizers take it at construction)
-        self.engine.set_gradient_accumulation_boundary(True)
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        pass  # taken in clip_gradients
 
     def skip_step(self):
-        self.engine.zero_grad()
+        # DeepSpeed already discarded a step whose gradients were not finite (a non-finite loss gives such
+        # gradients); its accumulation boundary has passed, so nothing is left to reset.
+        self._engine.zero_grad()
 
     def set_lr(self, lr):
-        for g in self.engine.optimizer.param_groups:
+        for g in self._engine.optimizer.param_groups:
             g["lr"] = lr
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
+        self._engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag="zero", load_lr_scheduler_states=False)
+        path, _ = self._engine.load_checkpoint(str(directory), tag="zero", load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"{directory}: no DeepSpeed checkpoint")
 
     def full_state_dict(self):
-        if self.engine.zero_optimization_stage() == 3:
-            sd = self.engine._zero3_consolidated_16bit_state_dict()  # gathers to rank 0
+        if self._engine.zero_optimization_stage() == 3:
+            sd = self._engine._zero3_consolidated_16bit_state_dict()  # gathers to rank 0
         else:
-            sd = self.engine.module.state_dict()
+            sd = self._engine.module.state_dict()
         if torch.distributed.get_rank() != 0:
             return None
         return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
@@ -155,6 +163,11 @@ class ZeroStrategy(Strategy):
     def load_full_state_dict(self, state):
         import deepspeed
 
-        params = list(self.engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.engine.zero_optimization_stage() == 3):
-            self.engine.module.load_state_dict(state)
+        params = list(self._engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self._engine.zero_optimization_stage() == 3):
+            self._engine.module.load_state_dict(state)
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer over fp32 partitions
+        out = [p for g in inner.param_groups for p in g["params"]]
+        return out + [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

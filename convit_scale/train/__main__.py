@@ -1,5 +1,5 @@
 import sys
 
-from .engine import main
+from .launch import main
 
 sys.exit(main())

@@ -82,7 +82,15 @@ def check_launcher_env(strategy: str, precision: str) -> None:
                          f"'{precision}': set mixed_precision 'no' in the accelerate config (the recipe decides)")
 
 
+def device_for(local_rank: int) -> torch.device:
+    """This rank's GPU: ``LOCAL_RANK`` modulo the visible devices, so a site that exposes one GPU per task
+    (CUDA_VISIBLE_DEVICES of length 1) and one that exposes all of a node's GPUs both work."""
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
+    from . import comm
+
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -94,13 +102,18 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.backend = 'nccl' needs CUDA GPUs; none are visible (use 'gloo' or 'auto')")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = device_for(local_rank)
+        torch.cuda.set_device(device)
+        # Both backends: NCCL for the device tensors of the hot path, gloo for object collectives and any CPU
+        # bookkeeping (an NCCL-only group refuses CPU tensors: "No backend type associated with device type cpu").
+        pg_backend = "cpu:gloo,cuda:nccl"
     else:
-        device = torch.device("cpu")
+        device, pg_backend = torch.device("cpu"), backend
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+        dist.init_process_group(pg_backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    comm.set_device(device)
     return DistContext(rank, world, local_rank, device, backend, launcher)
 
 
@@ -118,7 +131,15 @@ def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> 
     return micro_batch, per_rank // micro_batch
 
 
-def all_reduce_max(flag: bool | float, device: torch.device) -> float:
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def check_world(cfg, world_size: int) -> tuple[int, int]:
+    """The checks that need the world size, run by the launching process before any rank starts and again by
+    every rank at set-up: the strategy, the global batch split, an even micro-batch for Mixup/CutMix.
+    Returns (micro_batch, grad_accumulation)."""
+    if cfg.parallel.strategy == "none" and world_size > 1:
+        raise ValueError(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
+                         f"gradient sync: choose ddp, fsdp2 or zero1/2/3, or run one process")
+    micro, accum = solve_batch(cfg.data.global_batch_size, world_size, cfg.data.micro_batch_size)
+    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
+        raise ValueError(f"Mixup/CutMix need an even micro-batch; {micro} per rank here (data.micro_batch_size, "
+                         f"global batch {cfg.data.global_batch_size} over {world_size} ranks)")
+    return micro, accum

@@ -1,18 +1,21 @@
 """The training loop: one loop for DDP, FSDP2 and DeepSpeed ZeRO, with exact resume.
 
-Order of a run: validate the config (before any process group) -> process group -> solve the global
-batch -> model -> strategy -> loaders -> resume -> epochs of steps (each a fixed number of
-micro-batches) -> periodic eval, analysis, checkpoints -> final eval and checkpoint.
+A run, in order: ``setup`` (process group -> global batch -> loaders -> model -> strategy -> loss -> resume),
+then epochs of ``train_step`` (micro-batches, one packed reduction, the non-finite policy), ``log_step`` (host
+values only at log steps), periodic ``save``, ``end_of_epoch`` (evaluation, analysis, checkpoint), and a final
+evaluation and checkpoint. A stop signal makes every rank finish its step and save; ``train`` then returns
+``"stopped"`` and ``main`` exits with ``EXIT_REQUEUE``: the library never exits the process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
-import resource
 import signal
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,28 +24,38 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 
 from ..config import Config, model_options
-from ..data import LoaderSpec, build_loader
+from ..data import DataError, LoaderSpec, build_loader
 from ..data.plan import sample_seed
 from ..data.transforms import build_mixup, seed_all
 from ..metrics import MetricsWriter
-from ..models import MODELS, create_model
-from ..models.checkpoints import convert_state_dict, check_state_dict, read_state_dict
+from ..models import MODELS, create_model, load_pretrained
+from ..models.checkpoints import CheckpointMismatch, check_state_dict, convert_state_dict, read_state_dict
 from ..parallel import build_strategy, preload
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .distributed import DistContext, all_reduce_max, check_launcher_env, init_distributed, solve_batch
+from . import comm
+from .checkpoint import check_compatible, choose_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from .debug import Faults, checksum, state_digest
+from .distributed import DistContext, check_world, init_distributed
+from .evaluate import summarize, topk_counts
+from .memory import peak_memory_mb, reset_peak_memory, tensor_memory_mb
 from .optim import build_optimizer
 from .schedule import lr_at, peak_lr
+from .state import TrainState
 
-# Exit status of a run stopped by SIGUSR1/SIGTERM after saving: the Slurm scripts requeue on it.
 EXIT_REQUEUE = 75
+"""Exit status of a run stopped by SIGUSR1/SIGTERM after saving: the Slurm scripts requeue on it."""
 
 
 class NonFiniteLoss(RuntimeError):
     pass
 
 
-class _StopFlag:
-    """Set by SIGUSR1 / SIGTERM (Slurm's pre-timeout signal, preemption); read at step boundaries."""
+class SetupRefused(RuntimeError):
+    """The run cannot start as configured (data, checkpoint, world size): a one-line reason, nothing trained."""
+
+
+class StopSignal:
+    """Set by SIGUSR1 / SIGTERM (Slurm's pre-timeout signal, preemption, scancel); read once per step, inside
+    the step's one reduction, so that every rank stops after the same step."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -52,77 +65,59 @@ class _StopFlag:
     def _handler(self, signum, frame):
         self.signum = signum
 
-
-def _peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this rank since the last ``_reset_peak_memory`` (process start if never reset)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:  # VmHWM can be reset (see below); ru_maxrss cannot
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
 
-def _tensor_memory_mb(device: torch.device, module: torch.nn.Module) -> float:
-    """Memory held by live tensors on this rank. Taken after backward, before the optimizer step: the
-    model state (parameters, gradients, optimizer moments) and the strategy's persistent buffers, without
-    allocator slack, freed activations or the communication library's own buffers. CUDA: the caching
-    allocator's count; CPU: every tensor storage reachable from Python, each counted once (views and
-    shards of one flat buffer included); tensors that live only in C++ (DDP's reducer buckets) are not
-    seen."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    import gc
+@dataclass
+class Run:
+    """Everything set up once: the loop reads it, ``TrainState`` is what changes."""
 
-    grads = [p.grad for p in module.parameters()]  # noqa: F841 (gives autograd's gradients a Python object)
+    cfg: Config
+    ctx: DistContext
+    out: Path
+    micro: int
+    accum: int
+    lr: float
+    steps_per_epoch: int
+    total_steps: int
+    train_loader: object
+    val_loader: object | None
+    strategy: object
+    criterion: object
+    mixup: object | None
+    metrics: MetricsWriter
+    stop: StopSignal
+    faults: Faults | None = None
+    teacher: torch.nn.Module | None = None
+    memory: dict = field(default_factory=dict)  # base / set-up peak / model state, MB
+    analysis_images: torch.Tensor | None = None
+    final: dict = field(default_factory=dict)
+    clock: list = field(default_factory=lambda: [time.time(), 0])  # last log time, images since
 
-    storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:  # dead weak proxies raise on isinstance; wrapper subclasses (DTensor) have no storage of
-            # their own (their local tensors are seen)
-            if not isinstance(obj, torch.Tensor) or obj.is_meta or obj.device.type != "cpu":
-                continue
-            st = obj.untyped_storage()
-            ptr, nbytes = st.data_ptr(), st.nbytes()
-        except (ReferenceError, RuntimeError, NotImplementedError, TypeError):
-            continue
-        storages[ptr] = max(storages.get(ptr, 0), nbytes)
-    return sum(storages.values()) / 2**20
-
-
-def _reset_peak_memory(device: torch.device) -> None:
-    """Start peak tracking at the training steps: set-up (a whole model built before sharding,
-    DeepSpeed's partitioning copies) has its own, earlier peak, which `setup_peak_mem_mb` records."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux >= 4.0: reset the peak resident set size (VmHWM)
-    except OSError:
-        pass
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
 
 
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean over micro-batches and ranks, still on the device
+    grad_norm: float | None
+    bad: bool
+    stop: bool
+    lr: float
 
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    disable=not enabled, transient=False)
 
-
+# -- set-up ----------------------------------------------------------------------------------------------------
 def build_model(cfg: Config, meta: bool = False):
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank and world size
     model = create_model(cfg.model.name, device="meta" if meta else None, **model_options(cfg.model))
-    if cfg.model.pretrained:
-        sd = convert_state_dict(read_state_dict(cfg.model.pretrained), model)
-        check_state_dict(sd, model, cfg.model.pretrained)
-        if not meta:
-            model.load_state_dict(sd)
+    if cfg.model.pretrained and meta:  # checked now, loaded into the shards after sharding
+        check_state_dict(convert_state_dict(read_state_dict(cfg.model.pretrained), model), model, cfg.model.pretrained)
+    elif cfg.model.pretrained:
+        load_pretrained(model, cfg.model.pretrained)
     return model
 
 
@@ -132,30 +127,208 @@ def _loss_fn(cfg: Config):
     return lambda logits, y: F.cross_entropy(logits, y, label_smoothing=cfg.data.label_smoothing)
 
 
+def _criterion(cfg: Config, device: torch.device):
+    """(criterion(x, logits, target), teacher or None)."""
+    if not cfg.distill.enabled:
+        base_loss = _loss_fn(cfg)
+        return (lambda x, logits, y: base_loss(logits, y)), None
+    from .distill import DistillLoss, load_teacher
+
+    teacher = load_teacher(cfg, device)
+    return DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision), teacher
+
+
+def _loaders(cfg: Config, ctx: DistContext, micro: int):
+    img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
+    train_loader = build_loader(cfg.data, LoaderSpec("train", img_size, micro, ctx.world_size, ctx.rank, cfg.run.seed))
+    val_loader = build_loader(cfg.data, LoaderSpec("val", img_size, cfg.data.eval_batch_size, ctx.world_size,
+                                                   ctx.rank, cfg.run.seed)) if cfg.data.val_path else None
+    return train_loader, val_loader
+
+
+def _strategy(cfg: Config, ctx: DistContext, micro: int, accum: int, lr: float):
+    preload(cfg.parallel.strategy)  # library code belongs to the baseline, not to the model's memory
+    base_mem = round(peak_memory_mb(ctx.device), 1)  # before the model: what the process costs without it
+    model = build_model(cfg, meta=cfg.parallel.meta_init)
+    strategy = build_strategy(model, cfg.parallel, ctx.device, ctx.world_size, cfg.optim.grad_clip)
+    strategy.setup(lambda m: build_optimizer(m, cfg.optim, lr), micro, accum)
+    if cfg.parallel.meta_init and cfg.model.pretrained:
+        strategy.load_full_state_dict(convert_state_dict(read_state_dict(cfg.model.pretrained), strategy.module))
+    return strategy, base_mem
+
+
+def _resume_point(cfg: Config, out: Path) -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume from (rank 0 chooses, every rank gets the same) and its meta, checked against
+    the recipe before anything is written into the run folder."""
+    path = choose_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
+    if path is None:
+        return None, None
+    meta = read_meta(path)
+    check_compatible(path, meta, {"strategy": cfg.parallel.strategy, "model": cfg.model.name,
+                                  "global_batch_size": cfg.data.global_batch_size})
+    return path, meta
+
+
+def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainState]:
+    out = Path(cfg.run.output_dir)
+    micro, accum = check_world(cfg, ctx.world_size)
+    lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
+    ckpt, meta = _resume_point(cfg, out)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(cfg.to_yaml())
+        (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
+    _log(ctx, f"[convit-scale] {cfg.model.name} | strategy {cfg.parallel.strategy} | {ctx.world_size} rank(s) on "
+              f"{ctx.device.type} ({ctx.backend}, launched by {ctx.launcher}) | global batch "
+              f"{cfg.data.global_batch_size} = micro {micro} x accumulation {accum} x world {ctx.world_size} | "
+              f"lr {lr:.3g} = {cfg.optim.base_lr:g} x {cfg.data.global_batch_size}/{cfg.optim.lr_reference_batch}")
+    train_loader, val_loader = _loaders(cfg, ctx, micro)
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise DataError(f"{train_loader.num_samples} training images give no full global batch of "
+                        f"{cfg.data.global_batch_size} per epoch")
+    total_steps = cfg.schedule.epochs * steps_per_epoch
+    if cfg.schedule.max_steps is not None:
+        total_steps = min(total_steps, cfg.schedule.max_steps)
+    strategy, base_mem = _strategy(cfg, ctx, micro, accum, lr)
+    criterion, teacher = _criterion(cfg, ctx.device)
+    state = TrainState()
+    if ckpt is not None:
+        state = TrainState.from_meta(load_checkpoint(ckpt, strategy), accum, ctx.world_size)
+        _log(ctx, f"[convit-scale] resumed from {ckpt} at step {state.step} (epoch {state.epoch}, "
+                  f"batch {state.batch_in_epoch})")
+    run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
+              criterion, build_mixup(cfg.data, cfg.model.num_classes),
+              MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
+              faults=Faults.from_env(ctx.rank), teacher=teacher)
+    run.memory = {"base_mem_mb": base_mem, "setup_peak_mem_mb": round(peak_memory_mb(ctx.device), 1),
+                  "state_mem_mb": None}
+    reset_peak_memory(ctx.device)
+    if teacher is not None and cfg.log.debug_digest:
+        run.memory["teacher_checksum_start"] = checksum(teacher)
+    if ctx.is_main and val_loader is not None:
+        with contextlib.closing(_closing_iter(val_loader.epoch(0))) as it:
+            run.analysis_images = next(it)[0][:16].clone()
+    return run, state
+
+
+def _closing_iter(iterable):
+    """A generator over ``iterable`` that closes the loader's epoch when it is closed itself."""
+    it = iter(iterable)
+    try:
+        yield from it
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+# -- one step --------------------------------------------------------------------------------------------------
+def steps_of_epoch(run: Run, state: TrainState):
+    """The micro-batches of each remaining step of the current epoch, one step at a time; the loader's epoch is
+    closed when the epoch ends or the loop leaves it early."""
+    with contextlib.closing(_closing_iter(run.train_loader.epoch(state.epoch, start_batch=state.batch_in_epoch))) as it:
+        while state.batch_in_epoch // run.accum < run.steps_per_epoch and state.step < run.total_steps:
+            yield itertools.islice(it, run.accum)
+
+
+def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
+    """Forward/backward over the step's micro-batches, then one packed all-reduce of (loss sum, non-finite loss,
+    non-finite gradient norm, stop) read by the host once: a bad step is skipped on every rank alike."""
+    cfg, ctx, strategy = run.cfg, run.ctx, run.strategy
+    seed_all(sample_seed(cfg.run.seed, state.epoch, ctx.rank, 10**9 + state.step))  # Mixup, drop-path
+    lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
+    strategy.set_lr(lr)
+    stats = torch.zeros(4, dtype=torch.float64, device=ctx.device)
+    m = -1
+    for m, (x, y) in enumerate(micro_batches):
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        target = y
+        if run.mixup is not None:
+            x, target = run.mixup(x, y)
+        out = strategy.forward(x)  # a (class, distillation) pair with a distillation token
+        logits = tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+        loss = run.criterion(x, logits, target)
+        if run.faults is not None:
+            loss = run.faults.apply(loss, state.step, m)
+        stats[0] += loss.detach()
+        stats[1] += (~torch.isfinite(loss.detach())).double()
+        strategy.backward(loss, is_last_micro=m == run.accum - 1, grad_accum=run.accum)
+        state.batch_in_epoch += 1
+    if m + 1 != run.accum:
+        raise DataError(f"the training loader ended {run.accum - m - 1} micro-batch(es) early in epoch {state.epoch} "
+                        f"(batch {state.batch_in_epoch} of {len(run.train_loader)})")
+    if cfg.log.debug_memory and run.memory["state_mem_mb"] is None and state.step > 0:
+        # once, with gradients accumulated and the optimizer moments in place (a step was taken)
+        run.memory["state_mem_mb"] = comm.all_gather_object(round(tensor_memory_mb(ctx.device, strategy.module), 1))
+    norm = strategy.clip_gradients()
+    if not strategy.scales_loss:  # with a loss scaler an overflow is its business, not a bad step
+        stats[2] += (~torch.isfinite(norm)).double()
+    stats[3].fill_(float(run.stop.requested))
+    stats = comm.all_reduce(stats)
+    bad_loss, bad_norm, stop, grad_norm = torch.cat([stats[1:], norm.reshape(1).double()]).tolist()  # one sync
+    if bad_loss or bad_norm:
+        _bad_step(run, state, "loss" if bad_loss else "gradient norm")
+    else:
+        strategy.step()
+        state.consecutive_bad = 0
+    state.step += 1
+    bad = bool(bad_loss or bad_norm)
+    return StepResult(stats[0] / (run.accum * ctx.world_size), None if bad or not math.isfinite(grad_norm) else grad_norm,
+                      bad, stop > 0, lr)
+
+
+def _bad_step(run: Run, state: TrainState, what: str) -> None:
+    if run.cfg.run.nonfinite_policy == "stop":
+        raise NonFiniteLoss(f"non-finite {what} at step {state.step} (epoch {state.epoch}); stopped without "
+                            f"saving (run.nonfinite_policy = 'stop'); the last checkpoint is intact")
+    run.strategy.skip_step()
+    state.skipped_steps += 1
+    state.consecutive_bad += 1
+    if state.consecutive_bad > run.cfg.run.max_skipped_steps:
+        raise NonFiniteLoss(f"{state.consecutive_bad} consecutive non-finite steps (run.max_skipped_steps = "
+                            f"{run.cfg.run.max_skipped_steps}); stopped without saving")
+
+
+def log_step(run: Run, state: TrainState, res: StepResult, progress, task) -> None:
+    """metrics.jsonl at log steps: the only place where the loss reaches the host."""
+    cfg = run.cfg
+    run.clock[1] += cfg.data.global_batch_size
+    if state.step % cfg.log.every_steps == 0 or state.step == run.total_steps:
+        now = time.time()
+        loss = None if res.bad else res.loss.item()
+        rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "loss": loss, "lr": res.lr,
+               "images_per_s": run.clock[1] / max(now - run.clock[0], 1e-9), "grad_norm": res.grad_norm,
+               "peak_mem_mb": comm.all_gather_object(round(peak_memory_mb(run.ctx.device), 1)),
+               "base_mem_mb": run.memory["base_mem_mb"], "setup_peak_mem_mb": run.memory["setup_peak_mem_mb"],
+               "skipped_steps": state.skipped_steps, "state_mem_mb": run.memory["state_mem_mb"]}
+        run.metrics.write(rec)
+        run.clock[:] = [now, 0]
+        progress.update(task, info=f"loss {loss if loss is None else round(loss, 4)} lr {res.lr:.2e} "
+                                   f"{rec['images_per_s']:.0f} img/s")
+    if cfg.log.debug_digest:
+        digests = comm.all_gather_object(state_digest(run.strategy.optimizer_tensors()))
+        run.metrics.write({"kind": "digest", "step": state.step, "bad": res.bad, "state_digest": digests})
+    progress.update(task, completed=state.step)
+
+
+# -- evaluation, analysis, checkpoints -------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(strategy, loader, ctx: DistContext, max_batches: int | None = None) -> dict:
-    """Top-1/top-5 over the whole split, sharded across ranks with exact counting."""
+    """Top-1/top-5 over the whole split, sharded across ranks with exact counting; one reduction at the end."""
     strategy.train(False)
-    counts = torch.zeros(4, dtype=torch.float64)  # correct@1, correct@5, loss sum, samples
+    counts = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # correct@1, correct@5, loss sum, samples
     seen = 0
-    for i, (x, y) in enumerate(loader.epoch(0)):
-        if max_batches is not None and i >= max_batches:
-            break
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device)
-        logits = strategy.forward(x).float()
-        real = (torch.arange(len(y), device=y.device) + seen) < loader.num_real  # padding does not count
-        seen += len(y)
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hit = top == y[:, None]
-        counts += torch.tensor([hit[:, 0][real].sum().item(), hit[real].any(1).sum().item(),
-                                F.cross_entropy(logits[real], y[real], reduction="sum").item() if real.any() else 0.0,
-                                real.sum().item()], dtype=torch.float64)
-    dist.all_reduce(counts)
+    with contextlib.closing(_closing_iter(loader.epoch(0))) as batches:
+        for i, (x, y) in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            real = (torch.arange(len(y), device=y.device) + seen) < loader.num_real  # padding does not count
+            seen += len(y)
+            counts += topk_counts(strategy.forward(x), y, real)
     strategy.train(True)
-    n = max(counts[3].item(), 1)
-    return {"top1": 100 * counts[0].item() / n, "top5": 100 * counts[1].item() / n,
-            "loss": counts[2].item() / n, "samples": int(counts[3].item())}
+    return summarize(comm.all_reduce(counts))
 
 
 def _analysis(strategy, cfg: Config, images: torch.Tensor | None) -> dict | None:
@@ -170,13 +343,100 @@ def _analysis(strategy, cfg: Config, images: torch.Tensor | None) -> dict | None
     return {"gating": gating(plain), "nonlocality": nonlocality(plain, images)}
 
 
-def train(cfg: Config) -> dict:
-    """Run the recipe on this rank; returns the final metrics (rank 0) or {}."""
-    stop = _StopFlag()
+def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
+    """Evaluation (every ``run.eval_every_epochs`` and at the end) and the analysis of the epoch."""
+    cfg, results = run.cfg, {}
+    if run.val_loader is not None and ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
+        results = evaluate(run.strategy, run.val_loader, run.ctx)
+        run.metrics.write({"kind": "eval", "step": state.step, "epoch": epoch, **results})
+        _log(run.ctx, f"[convit-scale] epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} "
+                      f"top-5 {results['top5']:.2f} ({results['samples']} images)")
+    stats = _analysis(run.strategy, cfg, run.analysis_images)
+    if stats is not None:
+        run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
+    run.final.update(results)
+
+
+def save(run: Run, state: TrainState, reason: str) -> Path:
+    cfg = run.cfg
+    meta = {**state.to_meta(run.accum, run.ctx.world_size), "reason": reason, "strategy": cfg.parallel.strategy,
+            "model": cfg.model.name, "global_batch_size": cfg.data.global_batch_size, "config": cfg.to_dict(),
+            "time": time.time()}
+    return save_checkpoint(run.checkpoints, run.strategy, meta, cfg.checkpoint.keep_last)
+
+
+def save_and_stop(run: Run, state: TrainState) -> str:
+    path = save(run, state, "signal")
+    _log(run.ctx, f"[convit-scale] stop signal: saved {path}; exiting with {EXIT_REQUEUE} to be requeued")
+    run.metrics.write({"kind": "stopped", "step": state.step, "epoch": state.epoch, "checkpoint": str(path)})
+    if run.ctx.is_main:  # for launchers (torchrun) that do not pass the exit status through
+        (run.out / "STOPPED_FOR_REQUEUE").write_text(str(path))
+    comm.barrier()
+    return "stopped"
+
+
+def _periodic_save(run: Run, state: TrainState, every: int | None, count: int, reason: str) -> None:
+    """A periodic checkpoint, never from a state that followed a bad step without a good one after it."""
+    if every and count % every == 0 and state.step < run.total_steps and state.consecutive_bad == 0:
+        save(run, state, reason)
+
+
+# -- the loop --------------------------------------------------------------------------------------------------
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    disable=not enabled, transient=False)
+
+
+def fit(run: Run, state: TrainState) -> str:
+    """Epochs of steps until ``total_steps``; returns "finished", or "stopped" after a stop signal and a save."""
+    cfg = run.cfg
+    run.strategy.train(True)
+    with _progress(run.ctx.is_main and cfg.log.progress) as progress:
+        task = progress.add_task("train", total=run.total_steps, completed=state.step, info="")
+        while state.step < run.total_steps:
+            if state.batch_in_epoch // run.accum >= run.steps_per_epoch:  # the epoch was finished before a resume
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                continue
+            for micro_batches in steps_of_epoch(run, state):
+                res = train_step(run, state, micro_batches)
+                log_step(run, state, res, progress, task)
+                if res.stop:
+                    return save_and_stop(run, state)
+                _periodic_save(run, state, cfg.checkpoint.every_steps, state.step, "every_steps")
+            if state.batch_in_epoch // run.accum >= run.steps_per_epoch:  # a whole epoch
+                end_of_epoch(run, state, state.epoch)
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                _periodic_save(run, state, cfg.checkpoint.every_epochs, state.epoch, "epoch")
+        if not run.final and run.val_loader is not None:  # max_steps ended mid-epoch: evaluate the end
+            end_of_epoch(run, state, state.epoch if state.batch_in_epoch else state.epoch - 1)
+    path = save(run, state, "end")
+    run.final.update(step=state.step, skipped_steps=state.skipped_steps, checkpoint=str(path))
+    if run.teacher is not None and cfg.log.debug_digest:  # the teacher never trains: same weights as loaded
+        run.metrics.write({"kind": "distill", "step": state.step,
+                           "teacher_checksum_start": run.memory["teacher_checksum_start"],
+                           "teacher_checksum_end": checksum(run.teacher), "teacher_in_optimizer": any(
+                               p is q for g in run.strategy.optimizer.param_groups for p in g["params"]
+                               for q in run.teacher.parameters())})
+    run.metrics.write({"kind": "end", **run.final})
+    return "finished"
+
+
+def train(cfg: Config) -> str:
+    """Run the recipe on this rank; returns "finished" or "stopped" (after a stop signal, saved)."""
+    stop = StopSignal()
     ctx = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
-    out = Path(cfg.run.output_dir)
     try:
-        return _train(cfg, ctx, out, stop)
+        try:
+            run, state = setup(cfg, ctx, stop)
+        except (DataError, FileNotFoundError, CheckpointMismatch, ValueError) as e:
+            raise SetupRefused(str(e)) from e
+        try:
+            return fit(run, state)
+        finally:
+            run.metrics.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -190,244 +450,4 @@ def _log(ctx: DistContext, msg: str) -> None:
         print(msg, flush=True)
 
 
-def _train(cfg: Config, ctx: DistContext, out: Path, stop: _StopFlag) -> dict:
-    micro, accum = solve_batch(cfg.data.global_batch_size, ctx.world_size, cfg.data.micro_batch_size)
-    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
-        raise ValueError(f"Mixup/CutMix need an even micro-batch; {micro} per rank here (data.micro_batch_size)")
-    lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
-    if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(cfg.to_yaml())
-    _log(ctx, f"[convit-scale] {cfg.model.name} | strategy {cfg.parallel.strategy} | {ctx.world_size} rank(s) on "
-              f"{ctx.device.type} ({ctx.backend}, launched by {ctx.launcher}) | global batch "
-              f"{cfg.data.global_batch_size} = micro {micro} x accumulation {accum} x world {ctx.world_size} | "
-              f"lr {lr:.3g} = {cfg.optim.base_lr:g} x {cfg.data.global_batch_size}/{cfg.optim.lr_reference_batch}")
-
-    img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
-    train_loader = build_loader(cfg.data, LoaderSpec("train", img_size, micro, ctx.world_size, ctx.rank, cfg.run.seed))
-    val_loader = build_loader(cfg.data, LoaderSpec("val", img_size, cfg.data.eval_batch_size, ctx.world_size,
-                                                   ctx.rank, cfg.run.seed)) if cfg.data.val_path else None
-    steps_per_epoch = len(train_loader) // accum
-    if steps_per_epoch == 0:
-        raise ValueError(f"{train_loader.num_samples} training images give no full global batch of "
-                         f"{cfg.data.global_batch_size} per epoch")
-    total_steps = cfg.schedule.epochs * steps_per_epoch
-    if cfg.schedule.max_steps is not None:
-        total_steps = min(total_steps, cfg.schedule.max_steps)
-
-    preload(cfg.parallel.strategy)  # library code belongs to the baseline, not to the model's memory
-    base_mem = round(_peak_memory_mb(ctx.device), 1)  # before the model: what the process costs without it
-    model = build_model(cfg, meta=cfg.parallel.meta_init)
-    strategy = build_strategy(model, cfg.parallel, ctx.device, ctx.world_size, cfg.optim.grad_clip)
-    strategy.setup(lambda m: build_optimizer(m, cfg.optim, lr), micro, accum)
-    if cfg.parallel.meta_init and cfg.model.pretrained:
-        strategy.load_full_state_dict(convert_state_dict(read_state_dict(cfg.model.pretrained), strategy.module))
-
-    teacher = None
-    if cfg.distill.enabled:
-        from .distill import DistillLoss, load_teacher
-
-        teacher = load_teacher(cfg, ctx.device)
-        criterion = DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision)
-        teacher_checksum = _checksum(teacher)
-    else:
-        base_loss = _loss_fn(cfg)
-        criterion = lambda x, logits, y: base_loss(logits, y)  # noqa: E731
-    mixup = build_mixup(cfg.data, cfg.model.num_classes)
-
-    # -- resume ----------------------------------------------------------------------------------
-    step, epoch, batch_in_epoch, skipped_total = 0, 0, 0, 0
-    ckpt_root = out / "checkpoints"
-    resume = cfg.checkpoint.resume
-    path = latest_checkpoint(ckpt_root) if resume == "auto" else (None if resume == "none" else Path(resume))
-    if path is not None:
-        if not (path / "meta.json").is_file():
-            raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no meta.json)")
-        meta = load_checkpoint(path, strategy)
-        step, epoch, skipped_total = meta["step"], meta["epoch"], meta.get("skipped_steps", 0)
-        # same world size: continue at the same micro-batch; otherwise at the same optimizer step
-        batch_in_epoch = meta["batch_in_epoch"] if meta["world_size"] == ctx.world_size else meta["step_in_epoch"] * accum
-        _log(ctx, f"[convit-scale] resumed from {path} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
-
-    setup_mem = round(_peak_memory_mb(ctx.device), 1)
-    state_mem = None  # tensor memory per rank before the second optimizer step: the model state
-    _reset_peak_memory(ctx.device)
-    metrics = MetricsWriter(out, ctx.is_main, cfg.log.tensorboard)
-    if ctx.is_main:
-        (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
-    analysis_images = None
-    if ctx.is_main and val_loader is not None:
-        analysis_images = next(iter(val_loader.epoch(0)))[0][:16]
-
-    def checkpoint(reason: str) -> Path:
-        meta = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                "step_in_epoch": batch_in_epoch // accum, "world_size": ctx.world_size,
-                "skipped_steps": skipped_total, "reason": reason, "strategy": cfg.parallel.strategy,
-                "model": cfg.model.name, "config": cfg.to_dict(), "time": time.time()}
-        return save_checkpoint(ckpt_root, strategy, meta, cfg.checkpoint.keep_last)
-
-    def end_of_epoch(ep: int) -> None:
-        results = {}
-        if val_loader is not None and ((ep + 1) % cfg.run.eval_every_epochs == 0 or step >= total_steps):
-            results = evaluate(strategy, val_loader, ctx)
-            metrics.write({"kind": "eval", "step": step, "epoch": ep, **results})
-            _log(ctx, f"[convit-scale] epoch {ep} step {step}: top-1 {results['top1']:.2f} top-5 {results['top5']:.2f} "
-                      f"({results['samples']} images)")
-        stats = _analysis(strategy, cfg, analysis_images)
-        if stats is not None:
-            metrics.write({"kind": "analysis", "step": step, "epoch": ep, **stats})
-        final.update(results)
-
-    final: dict = {}
-    strategy.train(True)
-    consecutive_bad = 0
-    t_last, imgs_since = time.time(), 0
-    with _progress(ctx.is_main and cfg.log.progress) as progress:
-        task = progress.add_task("train", total=total_steps, completed=step, info="")
-        while step < total_steps:
-            steps_done_in_epoch = batch_in_epoch // accum
-            if steps_done_in_epoch >= steps_per_epoch:  # the epoch was finished before a resume
-                epoch, batch_in_epoch = epoch + 1, 0
-                continue
-            it = iter(train_loader.epoch(epoch, start_batch=batch_in_epoch))
-            while steps_done_in_epoch < steps_per_epoch and step < total_steps:
-                # Per-step seeds: Mixup and drop-path draw the same numbers after a resume.
-                seed_all(sample_seed(cfg.run.seed, epoch, ctx.rank, 10**9 + step))
-                cur_lr = lr_at(step, lr, steps_per_epoch, cfg.schedule)
-                strategy.set_lr(cur_lr)
-                bad, loss_sum = False, torch.zeros((), dtype=torch.float64)
-                for m in range(accum):
-                    x, y = next(it)
-                    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-                    target = y
-                    if mixup is not None:
-                        x, target = mixup(x, y)
-                    out_logits = strategy.forward(x)  # a (class, distillation) pair with a distillation token
-                    logits = tuple(o.float() for o in out_logits) if isinstance(out_logits, tuple) else out_logits.float()
-                    loss = criterion(x, logits, target)
-                    if _fault_injection(step, m, ctx):
-                        loss = loss * float("nan")
-                    bad_here = all_reduce_max(not torch.isfinite(loss).item(), ctx.device) > 0
-                    if bad_here:
-                        bad = True
-                        if cfg.run.nonfinite_policy == "stop":
-                            raise NonFiniteLoss(f"non-finite loss at step {step} (epoch {epoch}); stopped without "
-                                                f"saving (run.nonfinite_policy = 'stop'); the last checkpoint is intact")
-                        # keep collectives in step on every rank; these gradients are discarded below
-                        first = logits[0] if isinstance(logits, tuple) else logits
-                        loss = first.sum() * 0.0
-                    strategy.backward(loss, is_last_micro=m == accum - 1, grad_accum=accum)
-                    loss_sum += loss.detach().double().cpu()
-                    batch_in_epoch += 1
-                if state_mem is None and step > 0 and not bad:
-                    # once, with gradients accumulated and the optimizer moments in place (a step was taken)
-                    state_mem = [None] * ctx.world_size
-                    dist.all_gather_object(state_mem, round(_tensor_memory_mb(ctx.device, strategy.module), 1))
-                if bad:
-                    strategy.skip_step()
-                    grad_norm = float("nan")
-                    skipped_total += 1
-                    consecutive_bad += 1
-                    if consecutive_bad > cfg.run.max_skipped_steps:
-                        raise NonFiniteLoss(f"{consecutive_bad} consecutive non-finite steps (run.max_skipped_steps = "
-                                            f"{cfg.run.max_skipped_steps}); stopped without saving")
-                else:
-                    grad_norm = strategy.step()
-                    consecutive_bad = 0
-                step += 1
-                steps_done_in_epoch += 1
-                imgs_since += cfg.data.global_batch_size
-                mean_loss = torch.tensor([loss_sum.item() / accum], dtype=torch.float64)
-                dist.all_reduce(mean_loss)
-                mean_loss = mean_loss.item() / ctx.world_size
-                if step % cfg.log.every_steps == 0 or step == total_steps:
-                    now = time.time()
-                    mem = [None] * ctx.world_size
-                    dist.all_gather_object(mem, round(_peak_memory_mb(ctx.device), 1))
-                    rec = {"kind": "train", "step": step, "epoch": epoch, "loss": None if bad else mean_loss,
-                           "lr": cur_lr, "images_per_s": imgs_since / max(now - t_last, 1e-9),
-                           "grad_norm": None if math.isnan(grad_norm) else grad_norm,
-                           "peak_mem_mb": mem, "base_mem_mb": base_mem, "setup_peak_mem_mb": setup_mem,
-                           "skipped_steps": skipped_total, "state_mem_mb": state_mem}
-                    metrics.write(rec)
-                    t_last, imgs_since = now, 0
-                    progress.update(task, info=f"loss {mean_loss:.4f} lr {cur_lr:.2e} {rec['images_per_s']:.0f} img/s")
-                progress.update(task, completed=step)
-                if all_reduce_max(stop.signum is not None, ctx.device) > 0:
-                    path = checkpoint("signal")
-                    _log(ctx, f"[convit-scale] stop signal: saved {path}; exiting with {EXIT_REQUEUE} to be requeued")
-                    metrics.write({"kind": "stopped", "step": step, "epoch": epoch, "checkpoint": str(path)})
-                    if ctx.is_main:  # for launchers (torchrun) that do not pass the exit status through
-                        (out / "STOPPED_FOR_REQUEUE").write_text(str(path))
-                    dist.barrier()
-                    dist.destroy_process_group()
-                    sys.exit(EXIT_REQUEUE)
-                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
-                    checkpoint("every_steps")
-            if steps_done_in_epoch >= steps_per_epoch:  # a whole epoch
-                end_of_epoch(epoch)
-                epoch_done = epoch
-                epoch, batch_in_epoch = epoch + 1, 0
-                if (epoch_done + 1) % cfg.checkpoint.every_epochs == 0 and step < total_steps:
-                    checkpoint("epoch")
-        if step >= total_steps and not final and val_loader is not None:
-            end_of_epoch(epoch if batch_in_epoch else epoch - 1)
-    path = checkpoint("end")
-    final.update(step=step, skipped_steps=skipped_total, checkpoint=str(path))
-    if teacher is not None:  # the teacher never trains: same weights at the end as loaded
-        metrics.write({"kind": "distill", "step": step, "teacher_checksum_start": teacher_checksum,
-                       "teacher_checksum_end": _checksum(teacher), "teacher_in_optimizer": any(
-                           p is q for g in strategy.optimizer.param_groups for p in g["params"]
-                           for q in teacher.parameters())})
-    metrics.write({"kind": "end", **final})
-    return final if ctx.is_main else {}
-
-
-def _checksum(module) -> float:
-    return float(sum(p.detach().double().sum().item() + p.detach().double().abs().sum().item()
-                     for p in module.parameters()))
-
-
-def _fault_injection(step: int, micro: int, ctx: DistContext) -> bool:
-    """CONVIT_SCALE_NAN_AT_STEP=s[:m][,...]: make rank 0's loss of step s (micro-batch m, default 0)
-    non-finite (tests of the NaN policy)."""
-    marks = os.environ.get("CONVIT_SCALE_NAN_AT_STEP", "").split(",")
-    return ctx.rank == 0 and (f"{step}:{micro}" in marks or (micro == 0 and str(step) in marks))
-
-
-def _launch_rank() -> int:
-    """This process's rank as the launcher set it, before any process group exists."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from ..config import ConfigError, load_config
-    from ..data import DataError
-    from ..models.checkpoints import CheckpointMismatch
-    from .launch import preflight
-
-    parser = argparse.ArgumentParser(prog="python -m convit_scale.train")
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--no-preflight", action="store_true",
-                        help="skip the start-up checks (the launching process has run them)")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-        check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
-        if not args.no_preflight and _launch_rank() == 0:  # before the process group: the other ranks
-            preflight(cfg)                                  # wait at the rendezvous and are stopped with it
-    except (ConfigError, DataError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        train(cfg)
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    return 0
-
-
-__all__ = ["train", "evaluate", "build_model", "main", "EXIT_REQUEUE"]
+__all__ = ["train", "fit", "setup", "train_step", "evaluate", "build_model", "EXIT_REQUEUE", "NonFiniteLoss", "SetupRefused"]

@@ -1,4 +1,4 @@
-"""Start a recipe: the checks that run before any process starts, and "this recipe on N local processes".
+"""Start a recipe: ``python -m convit_scale.train`` (:func:`main`), the checks that run before any process starts, and "this recipe on N local processes".
 
 Every entry point goes through here: ``convit-scale train``, the demo, the experiments and the benchmarks
 call :func:`run_recipe`; ``python -m convit_scale.train`` (torchrun, srun, accelerate) runs
@@ -65,13 +65,55 @@ def run_recipe(recipe: str | Path, overrides: list[str], nproc: int = 1, env: di
     its own state. ``checked``: the caller has already run :func:`preflight` on this recipe."""
     if nproc < 1:
         raise ValueError(f"nproc = {nproc}: the number of local processes must be at least 1")
+    if nproc > 1:  # what needs the world size is refused here, before torchrun starts any rank
+        from ..config import load_config
+        from .distributed import check_world
+
+        check_world(load_config(recipe, overrides), nproc)
     args = (["--no-preflight"] if checked else []) + ["--recipe", str(recipe), *overrides]
     if nproc > 1:
         return launch_torchrun(args, nproc, env=env, quiet=quiet)
     if in_process and not env:
-        from .engine import main
-
         return main(args)
     out = subprocess.DEVNULL if quiet else None
     return subprocess.call([sys.executable, "-m", "convit_scale.train", *args], env={**os.environ, **(env or {})},
                            stdout=out, stderr=out)
+
+
+def _launch_rank() -> int:
+    """This process's rank as the launcher set it, before any process group exists."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from ..config import ConfigError, load_config
+    from ..data import DataError
+    from ..models.checkpoints import CheckpointMismatch
+    from .distributed import check_launcher_env
+    from .engine import EXIT_REQUEUE, NonFiniteLoss, SetupRefused, train
+
+    parser = argparse.ArgumentParser(prog="python -m convit_scale.train")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="skip the start-up checks (the launching process has run them)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
+        if not args.no_preflight and _launch_rank() == 0:  # before the process group: the other ranks
+            preflight(cfg)                                  # wait at the rendezvous and are stopped with it
+    except (ConfigError, DataError, CheckpointMismatch, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        status = train(cfg)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except SetupRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return EXIT_REQUEUE if status == "stopped" else 0

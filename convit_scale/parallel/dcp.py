@@ -1,0 +1,39 @@
+"""Model + optimizer state through torch.distributed.checkpoint (DDP and FSDP2): sharded, and resharded on load,
+so a checkpoint resumes on another world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+
+class DCPStateMixin:
+    scaler: torch.amp.GradScaler | None = None
+
+    def _state(self):
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, directory: Path) -> None:
+        dcp.save(self._state(), checkpoint_id=str(directory / "dcp"))
+        if self.scaler is not None and torch.distributed.get_rank() == 0:  # the same on every rank
+            torch.save(self.scaler.state_dict(), directory / "grad_scaler.pt")
+
+    def load(self, directory: Path) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.scaler is not None and (directory / "grad_scaler.pt").is_file():
+            self.scaler.load_state_dict(torch.load(directory / "grad_scaler.pt", weights_only=True))
+
+    def full_state_dict(self):
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, _ = get_state_dict(self.module, [], options=opts)
+        return model_sd if torch.distributed.get_rank() == 0 else None
+
+    def load_full_state_dict(self, state):
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_state_dict(self.module, [], model_state_dict=state, options=opts)

@@ -1,0 +1,69 @@
+"""Every collective of the training loop, evaluation and checkpointing passes through here.
+
+On GPUs the process group has two backends (``cpu:gloo,cuda:nccl``), so object collectives and CPU bookkeeping
+stay legal, but the hot path keeps its tensors on the training device: :func:`all_reduce` moves a tensor to the
+communication device first, so a CPU tensor can never reach NCCL by accident. No other module of the package
+calls ``torch.distributed`` collectives (``tests/test_structure.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_device = torch.device("cpu")  # set by set_device() when the process group starts
+
+
+def set_device(device: torch.device) -> None:
+    global _device
+    _device = device
+
+
+def device() -> torch.device:
+    """Where tensors handed to collectives live: this rank's GPU, or the CPU under gloo."""
+    return _device
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` over ranks (sum or max) and return it on the communication device; ``t`` is reduced in place
+    when it already lives there. No host synchronisation."""
+    t = t.to(_device, non_blocking=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t
+
+
+def all_reduce_max(flag: bool | float) -> float:
+    """The maximum of a host value over ranks (a host synchronisation: for set-up and rare events only)."""
+    return all_reduce(torch.tensor([float(flag)], dtype=torch.float64), "max").item()
+
+
+def all_gather_object(obj) -> list:
+    """``obj`` of every rank, in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank (e.g. the checkpoint that rank 0 chose)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

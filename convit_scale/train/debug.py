@@ -1,0 +1,73 @@
+"""Fault injection and debug measurements, installed at set-up when asked and absent from the step otherwise.
+
+- ``CONVIT_SCALE_NAN_AT_STEP=s[:m][,...]``: rank 0's loss of step ``s`` (micro-batch ``m``, default 0) becomes
+  NaN (tests of the non-finite policy).
+- ``CONVIT_SCALE_INF_GRAD_AT_STEP=s[:m][,...]``: rank 0's loss stays finite but its gradient becomes inf.
+- ``log.debug_memory``: the memory of live tensors after backward, once (``state_mem_mb``; memory.py).
+- ``log.debug_digest``: a digest of this rank's weights and optimizer state after every step (``state_digest``),
+  and the teacher's checksums at start and end.
+The environment is read once, here, when the run is set up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; backward sends an infinite gradient (a finite loss whose gradients overflow)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def _marks(var: str) -> set[tuple[int, int]]:
+    marks = set()
+    for item in filter(None, os.environ.get(var, "").split(",")):
+        step, _, micro = item.partition(":")
+        marks.add((int(step), int(micro or 0)))
+    return marks
+
+
+@dataclass
+class Faults:
+    """Where to corrupt rank 0's loss; empty sets (the normal case) cost one ``if`` per micro-batch."""
+
+    nan_loss: set = field(default_factory=set)
+    inf_grad: set = field(default_factory=set)
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Faults | None":
+        if rank != 0:
+            return None
+        f = cls(_marks("CONVIT_SCALE_NAN_AT_STEP"), _marks("CONVIT_SCALE_INF_GRAD_AT_STEP"))
+        return f if (f.nan_loss or f.inf_grad) else None
+
+    def apply(self, loss: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        if (step, micro) in self.nan_loss:
+            return loss * float("nan")
+        if (step, micro) in self.inf_grad:
+            return _InfGradient.apply(loss)
+        return loss
+
+
+def state_digest(tensors: list[torch.Tensor]) -> str:
+    """SHA-1 over the bytes of ``tensors`` in order: equal digests mean bit-identical state."""
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def checksum(module: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum().item() + p.detach().double().abs().sum().item()
+                     for p in module.parameters()))

@@ -1,0 +1,31 @@
+"""Where a run is: the counters the loop advances, saved in every checkpoint's meta.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps taken, skipped ones included."""
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    """Micro-batches of this epoch already consumed on each rank."""
+    skipped_steps: int = 0
+    """Steps discarded for a non-finite loss or gradient norm, over the whole run."""
+    consecutive_bad: int = 0
+    """Bad steps since the last good one: while > 0 the state followed a bad step, and no periodic
+    checkpoint is written."""
+
+    def to_meta(self, accum: int, world_size: int) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "step_in_epoch": self.batch_in_epoch // accum, "world_size": world_size,
+                "skipped_steps": self.skipped_steps}
+
+    @classmethod
+    def from_meta(cls, meta: dict, accum: int, world_size: int) -> "TrainState":
+        # The same world size continues at the same micro-batch; another one at the same optimizer step.
+        same_world = meta["world_size"] == world_size
+        return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0),
+                   batch_in_epoch=meta["batch_in_epoch"] if same_world else meta["step_in_epoch"] * accum)

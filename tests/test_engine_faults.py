@@ -1,0 +1,104 @@
+"""The engine under faults and as a GPU run would execute it: non-finite gradients, collectives per step,
+refusals before training, crashes between checkpoints, checkpoints from another configuration."""
+
+import json
+import math
+import subprocess
+import time
+
+import pytest
+
+from conftest import PY, REPO, records, run_cli, tiny_recipe
+from convit_scale.train.distributed import free_port
+
+EXACT = {"drop_path_rate": 0.0}
+NO_MIX = {"mixup": 0.0, "cutmix": 0.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_inf_gradient_with_finite_loss_leaves_the_state_exactly(fm_tree, tmp_path, strategy):
+    """Accumulation 2; rank 0's gradient of step index 2 is made infinite while its loss stays finite. The step
+    is skipped and counted on every rank; weights and optimizer state after it are bit-identical to those before
+    it (digest per rank), and training goes on."""
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT,
+                    data={**NO_MIX, "micro_batch_size": 8, "val_path": ""}, parallel={"strategy": strategy},
+                    schedule={"max_steps": 4}, log={"debug_digest": True})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_INF_GRAD_AT_STEP": "2"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    digests = {d["step"]: d["state_digest"] for d in records(tmp_path / "out", "digest")}
+    assert sorted(digests) == [1, 2, 3, 4] and all(len(d) == 2 for d in digests.values())
+    assert digests[3] == digests[2]  # the bad step changed nothing, on either rank
+    assert digests[4] != digests[3] and digests[2] != digests[1]  # good steps do change the state
+    train = records(tmp_path / "out")
+    assert [t["skipped_steps"] for t in train] == [0, 0, 1, 1]
+    assert train[2]["loss"] is None and train[2]["grad_norm"] is None
+    assert all(math.isfinite(t["loss"]) and math.isfinite(t["grad_norm"]) for i, t in enumerate(train) if i != 2)
+    assert records(tmp_path / "out", "end")[0]["skipped_steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_step_makes_at_most_two_all_reduce_calls(fm_tree, tmp_path, strategy):
+    """Gradient accumulation 4: loss, non-finite flags and the stop flag travel in one packed all-reduce."""
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out",
+                    data={"micro_batch_size": 4, "val_path": ""}, parallel={"strategy": strategy},
+                    schedule={"max_steps": 3})
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(REPO / "tests" / "count_all_reduce.py"), str(tmp_path / "out"),
+           "--recipe", str(r)]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1",
+                                                                                        **__import__("os").environ})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "accumulation 4 x world 2" in res.stdout
+    for rank in (0, 1):
+        per_step = json.loads((tmp_path / "out" / f"all_reduce_rank{rank}.json").read_text())
+        assert len(per_step) == 3 and all(1 <= n <= 2 for n in per_step), per_step
+
+
+def test_strategy_none_on_two_ranks_is_refused_before_training(fm_tree, tmp_path):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "none"})
+    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "parallel.strategy = 'none'" in lines[0], res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_kill_between_checkpoints_then_resume_logs_every_step_once(fm_tree, tmp_path):
+    """kill -9 after the checkpoint of step 2: the steps logged after it are logged again by the resumed run,
+    and metrics.jsonl holds each step once."""
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", data={"val_path": ""},
+                    schedule={"max_steps": 200}, checkpoint={"every_steps": 2, "keep_last": 2})
+    proc = subprocess.Popen([PY, "-m", "convit_scale.train", "--recipe", str(r)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not any(t["step"] >= 3 for t in records(tmp_path / "out")):
+        assert proc.poll() is None and time.time() - t0 < 300
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    logged = [t["step"] for t in records(tmp_path / "out")]
+    ckpt = max(int(p.name.split("_")[1]) for p in (tmp_path / "out" / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+    assert max(logged) > ckpt  # steps after the checkpoint were logged and are lost with the crash
+    res = run_cli("train", "--recipe", str(r), f"schedule.max_steps={max(logged) + 2}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [t["step"] for t in records(tmp_path / "out")]
+    assert steps == list(range(1, max(logged) + 3)), steps
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_strategy_or_global_batch_is_refused(fm_tree, tmp_path):
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", data={"val_path": ""},
+                    parallel={"strategy": "zero3"}, schedule={"max_steps": 1})
+    assert run_cli("train", "--recipe", str(r)).returncode == 0
+    config = (tmp_path / "out" / "config.yaml").read_text()
+    for override, names in (("parallel.strategy=fsdp2", ("parallel.strategy", "'zero3'", "'fsdp2'")),
+                            ("data.global_batch_size=16", ("data.global_batch_size", "32", "16"))):
+        res = run_cli("train", "--recipe", str(r), override, "schedule.max_steps=2")
+        assert res.returncode == 2, res.stderr[-3000:]
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and all(n in errors[0] for n in names), res.stderr[-3000:]
+        assert "Traceback" not in res.stderr
+        assert (tmp_path / "out" / "config.yaml").read_text() == config  # the run folder still describes its checkpoints
