@@ -191,14 +191,19 @@ def uniforms(seeds: torch.Tensor, count: int) -> torch.Tensor:
     return _srl(_hash(_sample_keys(seeds)[:, None], counters[None]), 11).to(torch.float64) * 2.0 ** -53
 
 
-def _normal_noise(seeds: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 standard normals of ``shape`` = (n, ...) per sample, Box-Muller on two 24-bit halves of a hash."""
-    n, rest = shape[0], shape[1:]
-    counters = _NOISE_COUNTER + torch.arange(math.prod(rest), dtype=torch.int64, device=seeds.device)
-    z = _hash(_sample_keys(seeds)[:, None], counters[None])  # (n, prod(rest))
-    u1 = (_srl(z, 40) + 1).to(torch.float32) * 2.0 ** -24  # (0, 1]: log is finite
+def ragged_normals(seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """float32 standard normals, ``lengths[b]`` for sample b, concatenated: value k of sample b depends only on
+    (seeds[b], k). Box-Muller on two 24-bit halves of one hash; seeds on the output device, lengths on the CPU."""
+    dev = seeds.device
+    total = int(lengths.sum())
+    lengths = lengths.to(dev, non_blocking=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    keys = torch.repeat_interleave(_sample_keys(seeds), lengths, output_size=total)
+    k = torch.arange(total, device=dev) - torch.repeat_interleave(starts, lengths, output_size=total)
+    z = _hash(keys, _NOISE_COUNTER + k)
+    u1 = (_srl(z, 40) + 1).to(torch.float32) * 2.0 ** -24  # (0, 1]: the log is finite
     u2 = ((z >> 16) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
-    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).view(n, *rest)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,13 +330,17 @@ def _luma(img: torch.Tensor) -> torch.Tensor:
 
 
 def _auto_contrast(img, _arg):
-    # ImageOps.autocontrast per channel: lo/hi are the lowest/highest values present
-    lo = img.amin(dim=(2, 3), keepdim=True).double()
-    hi = img.amax(dim=(2, 3), keepdim=True).double()
+    # ImageOps.autocontrast per channel: lo/hi are the lowest/highest values present; lut[i] = int(i*scale + offset)
+    n, c, h, w = img.shape
+    values = img.long().view(n, c, h * w)
+    lo = values.amin(2, keepdim=True).double()
+    hi = values.amax(2, keepdim=True).double()
     scale = 255.0 / (hi - lo).clamp(min=1)
     offset = -lo * scale
-    out = torch.trunc(img.double() * scale + offset).clamp(0, 255).float()  # int(ix * scale + offset)
-    return torch.where(hi > lo, out, img)
+    levels = torch.arange(256, dtype=torch.float64, device=img.device)
+    lut = torch.trunc(levels * scale + offset).clamp(0, 255)  # (n, c, 256)
+    lut = torch.where(hi > lo, lut, levels).float()
+    return lut.gather(2, values).view(n, c, h, w)
 
 
 def _equalize(img, _arg):
@@ -444,20 +453,21 @@ def affine_sample(img: torch.Tensor, coeffs: torch.Tensor, fill: tuple[int, int,
     yin = co[3] * xs + co[4] * ys + co[5]
     inside = (xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)
     x0, y0 = torch.floor(xin - 0.5), torch.floor(yin - 0.5)
-    dx = (xin - 0.5 - x0).float().unsqueeze(1)  # (n, 1, H, W)
-    dy = (yin - 0.5 - y0).float().unsqueeze(1)
+    dx = (xin - 0.5 - x0).float().unsqueeze(-1)  # (n, H, W, 1)
+    dy = (yin - 0.5 - y0).float().unsqueeze(-1)
     x0, y0 = x0.long() - 1, y0.long() - 1
     cols = [(x0 + k).clamp(0, w - 1) for k in range(4)]
-    rows = [(y0 + k).clamp(0, h - 1) * w for k in range(4)]
-    flat = img.reshape(n, c, h * w)
+    first_pixel = (torch.arange(n, device=dev) * (h * w)).view(n, 1, 1)
+    rows = [(y0 + k).clamp(0, h - 1) * w + first_pixel for k in range(4)]
+    pixels = img.permute(0, 2, 3, 1).reshape(n * h * w, c)  # channel-last: one index fetches 3 values
 
-    def tap(row, col):  # (n, 3, H, W)
-        return flat.gather(2, (row + col).view(n, 1, h * w).expand(n, c, h * w)).view(n, c, h, w)
+    def tap(row, col):  # (n, H, W, 3)
+        return pixels.index_select(0, (row + col).view(-1)).view(n, h, w, c)
 
     v = _cubic(*[_cubic(*[tap(r, col) for col in cols], dx) for r in rows], dy)
     v = v.clamp(0.0, 255.0).floor()
-    fill_t = torch.tensor(fill, dtype=img.dtype, device=dev).view(1, c, 1, 1)
-    return torch.where(inside.unsqueeze(1), v, fill_t)
+    fill_t = torch.tensor(fill, dtype=img.dtype, device=dev)
+    return torch.where(inside.unsqueeze(-1), v, fill_t).permute(0, 3, 1, 2)
 
 
 def apply_op(name: str, img: torch.Tensor, arg: torch.Tensor, fill: tuple[int, int, int] = (124, 116, 104)
@@ -515,19 +525,23 @@ def _rand_augment(img: torch.Tensor, plan: AugmentPlan, cfg: DeviceAugmentConfig
 
 
 def _random_erase(out: torch.Tensor, seeds: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
-    """timm RandomErasing (mode 'pixel'): the box gets per-pixel standard normal noise, after normalisation."""
-    idx = (box[:, 2] > 0).nonzero().squeeze(1)
+    """timm RandomErasing (mode 'pixel'): the box gets per-pixel standard normal noise, after normalisation.
+
+    Noise value k of a sample is its k-th box pixel in (channel, row, column) order, hashed only for box pixels.
+    """
+    idx = (box[:, 2] > 0).nonzero().squeeze(1)  # box is on the CPU: no device sync
     if idx.numel() == 0:
         return out
     n, (_, c, h, w) = idx.numel(), out.shape
     dev_idx = idx.to(out.device, non_blocking=True)
-    top, left, bh, bw = box[idx].to(out.device, non_blocking=True).unbind(1)
+    top, left, bh, bw = box[idx].to(out.device, non_blocking=True).view(n, 4, 1, 1).unbind(1)
     rows = torch.arange(h, device=out.device).view(1, h, 1)
     cols = torch.arange(w, device=out.device).view(1, 1, w)
-    inside = ((rows >= top.view(n, 1, 1)) & (rows < (top + bh).view(n, 1, 1))
-              & (cols >= left.view(n, 1, 1)) & (cols < (left + bw).view(n, 1, 1)))  # (n, H, W)
-    noise = _normal_noise(seeds.to(out.device)[dev_idx], (n, c, h, w))
-    out[dev_idx] = torch.where(inside.unsqueeze(1), noise, out[dev_idx])
+    inside = (rows >= top) & (rows < top + bh) & (cols >= left) & (cols < left + bw)  # (n, H, W)
+    noise = ragged_normals(seeds.to(out.device)[dev_idx], c * box[idx, 2] * box[idx, 3])
+    erased = out[dev_idx]
+    erased.masked_scatter_(inside.unsqueeze(1).expand(n, c, h, w), noise)  # row-major: the k-th box pixel
+    out[dev_idx] = erased
     return out
 
 
