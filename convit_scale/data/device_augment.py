@@ -51,6 +51,7 @@ RAND_OPS = (
 )
 """timm's ``_RAND_TRANSFORMS`` (``inc0``, the default)."""
 
+_ALL_OPS = tuple(sorted(set(RAND_OPS) | set(RAND_INCREASING_OPS)))
 GEOMETRIC_OPS = frozenset({"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel"})
 
 _LEVEL_DENOM = 10.0  # timm: magnitude M maps to the fractional level M / 10
@@ -255,7 +256,7 @@ def _level_to_arg(name: str, m: torch.Tensor, sign: torch.Tensor, translate_pct:
         return level * 0.3 * sign
     if name in ("TranslateXRel", "TranslateYRel"):
         return level * translate_pct * sign
-    raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(RAND_INCREASING_OPS + RAND_OPS[4:11])}")
+    raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(_ALL_OPS)}")
 
 
 def sample_plan(seeds: torch.Tensor, cfg: DeviceAugmentConfig, height: int, width: int) -> AugmentPlan:
@@ -477,8 +478,7 @@ def apply_op(name: str, img: torch.Tensor, arg: torch.Tensor, fill: tuple[int, i
     if name in GEOMETRIC_OPS:
         return affine_sample(img, _affine_coeffs(name, arg, img.shape[2], img.shape[3]), fill)
     if name not in _COLOUR_OPS:
-        raise ValueError(f"RandAugment op {name!r} is not supported; supported: "
-                         f"{', '.join(sorted(set(RAND_OPS) | set(RAND_INCREASING_OPS)))}")
+        raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(_ALL_OPS)}")
     return _COLOUR_OPS[name](img, arg)
 
 
@@ -553,7 +553,8 @@ def augment_batch(x: torch.Tensor, seeds: torch.Tensor, cfg: DeviceAugmentConfig
     """
     _check_batch(x)
     if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.shape != (x.shape[0],):
-        got = f"dtype={seeds.dtype}, shape={tuple(seeds.shape)}" if isinstance(seeds, torch.Tensor) else type(seeds).__name__
+        got = (f"dtype={seeds.dtype}, shape={tuple(seeds.shape)}" if isinstance(seeds, torch.Tensor)
+               else type(seeds).__name__)
         raise ValueError(f"seeds must be an int64 tensor of shape ({x.shape[0]},), one per image; got {got}")
     cfg = cfg or DeviceAugmentConfig()
     plan = sample_plan(seeds, cfg, x.shape[2], x.shape[3])
