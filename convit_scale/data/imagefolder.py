@@ -11,7 +11,7 @@ from ..config import DataConfig
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_all
-from .workers import private_generator
+from .workers import private_generator, worker_init_fn
 
 
 class _SeededImages(Dataset):
@@ -71,5 +71,5 @@ class MapStyleLoader:
         items = [(int(i), sample_seed(s.seed, epoch, 0, int(p))) for i, p in zip(idx, positions)]
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train,
                             num_workers=self.d.num_workers, persistent_workers=False,
-                            generator=private_generator(s.seed, epoch))
+                            generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn())
         yield from loader

@@ -22,7 +22,7 @@ from ..config import DataConfig
 from .geometry import DataError, EpochGeometry, LoaderSpec, eval_positions
 from .plan import contiguous_range, epoch_permutation, sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_all
-from .workers import private_generator
+from .workers import private_generator, worker_init_fn
 
 
 def _decode(data: bytes) -> Image.Image:
@@ -194,5 +194,5 @@ class WdsLoader:
     def epoch(self, epoch: int, start_batch: int = 0):
         workers = min(self.d.num_workers, len(self))
         loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, num_workers=workers,
-                            generator=private_generator(self.spec.seed, epoch))
+                            generator=private_generator(self.spec.seed, epoch), worker_init_fn=worker_init_fn())
         yield from loader
