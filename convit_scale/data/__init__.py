@@ -1,5 +1,26 @@
-"""Loaders (FFCV, WebDataset, ImageFolder) with one contract, the epoch plan, and the DeiT transforms."""
+"""Loaders (FFCV, WebDataset, ImageFolder) with one contract, the epoch plan, and the DeiT transforms.
 
-from .loaders import DataError, LoaderSpec, build_loader, read_manifest
+``loader.epoch(epoch, start_batch)`` yields ``(images, labels)`` batches: images float (B, 3, S, S),
+normalised; labels int64 (B,); ``len(loader)`` batches per epoch, the same on every rank, of which the
+first ``loader.num_real`` samples count (``geometry.py``). Train epochs are shuffled from the seed with
+repeated augmentation and drop the last partial batch; augmentation is seeded per sample, so a resumed
+epoch continues bit-identically.
+"""
+
+from ..config import DataConfig
+from .geometry import DataError, LoaderSpec
+from .imagefolder import MapStyleLoader
+from .wds import WdsLoader, read_manifest
 
 __all__ = ["DataError", "LoaderSpec", "build_loader", "read_manifest"]
+
+
+def build_loader(d: DataConfig, spec: LoaderSpec):
+    """The loader of ``data.format`` for one split on one rank."""
+    if d.format == "imagefolder":
+        return MapStyleLoader(d, spec)
+    if d.format == "wds":
+        return WdsLoader(d, spec)
+    from .ffcv import FfcvLoader  # ffcv (and numba) only when asked for
+
+    return FfcvLoader(d, spec)

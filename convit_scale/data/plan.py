@@ -50,3 +50,18 @@ def contiguous_range(num_items: int, parts: int, part: int) -> tuple[int, int]:
 def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
     """Augmentation seed of one sample view: resume-safe (no RNG stream to replay)."""
     return int(np.random.default_rng([seed, epoch, rank, position]).integers(2**31))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wraps modulo 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def view_seeds(seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+    """Vectorised augmentation seeds in [0, 2**31) of the views at ``positions`` (global positions in the
+    epoch): a pure function of (seed, epoch, position), as ``sample_seed`` but for a whole epoch at once."""
+    key = _mix64(np.array([seed, epoch], dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+    h = _mix64(np.asarray(positions, dtype=np.uint64) ^ key[0])
+    return _mix64(h ^ key[1]) >> np.uint64(33)

@@ -27,7 +27,7 @@ def preflight(cfg) -> None:
     if d.format == "wds":
         # the manifest alone: splits present, subset made at conversion matches the recipe's
         from ..data import LoaderSpec
-        from ..data.loaders import WdsLoader
+        from ..data.wds import WdsLoader
 
         for split, loc in (("train", d.train_path), ("val", d.val_path)):
             if loc and "://" not in loc:

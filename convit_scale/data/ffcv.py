@@ -1,0 +1,269 @@
+"""FFCV .beton files through ffcv's Loader, with the epoch plan as its traversal order.
+
+This module imports ffcv; ``build_loader`` imports it only for ``data.format: ffcv``. Differences from
+timm, by FFCV's design: the crop is decoded and resized in one step with OpenCV's INTER_AREA (not
+bicubic), and eval crops the centre square (ratio 0.875) before resizing rather than resizing to 256
+first (same geometry). RandAugment, normalisation and random erasing are timm's.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+from dataclasses import replace
+from pathlib import Path
+
+import numba
+
+import numpy as np
+import torch
+from ffcv.fields.basics import IntDecoder
+from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
+from ffcv.libffcv import imdecode, resize_crop
+from ffcv.loader import Loader
+from ffcv.loader.loader import ORDER_MAP
+from ffcv.pipeline.compiler import Compiler
+from ffcv.pipeline.operation import Operation
+from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
+from ffcv.traversal_order.base import TraversalOrder
+from PIL import Image
+
+from ..config import DataConfig
+from .geometry import DataError, EpochGeometry, LoaderSpec
+from .plan import view_seeds
+from .private_aug import PrivateAugment
+from .transforms import MEAN, STD
+from .wds import read_manifest
+
+
+class PlanOrder(TraversalOrder):
+    """The epoch plan as ffcv's traversal order. ffcv asks for ``sample_order(epoch)`` with its own epoch
+    counter; the epoch and the resume position are the plan's, so FfcvLoader puts the order of the next
+    iteration on the ffcv Loader (``plan_order``) before iterating it. ffcv's constructor asks once, to
+    size its ``len()``: then it gets the whole subset, which is never shorter than a rank's epoch."""
+
+    def sample_order(self, epoch: int) -> np.ndarray:
+        return getattr(self.loader, "plan_order", self.indices)
+
+
+ORDER_KEY = "convit_scale_plan"
+ORDER_MAP[ORDER_KEY] = PlanOrder  # ffcv refuses an order class that is not registered
+
+
+def subset_indices(location: Path, manifest: dict, split: str, fraction: float) -> tuple[str, np.ndarray]:
+    """The .beton of ``split`` and the file indices of its Table 2 subset (the first files of each class:
+    files are written in sorted (class, file) order)."""
+    if split not in manifest.get("splits", {}):
+        raise DataError(f"{location}: manifest has no {split!r} split")
+    info = manifest["splits"][split]
+    (name,) = info["files"]
+    counts = [info["per_class"].get(str(c), 0) for c in range(len(manifest["classes"]))]
+    starts = np.cumsum([0] + counts)
+    return name, np.concatenate([np.arange(s, s + math.floor(c * fraction)) for s, c in zip(starts, counts)])
+
+
+ID_BITS = np.uint64(32)  # a view id: the view's seed << 32 | the file index
+FILE_INDEX = np.uint64(2**32 - 1)
+
+
+@numba.njit(nogil=True)
+def _uniform(view_seed, k):
+    """The k-th uniform draw in [0, 1) of a view: splitmix64 of (seed, k), no generator state."""
+    x = view_seed * np.uint64(64) + np.uint64(k) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@numba.njit(nogil=True)
+def _seeded_crop(height, width, scale, log_ratio, view_seed):
+    """ffcv's (torchvision's) RandomResizedCrop parameters (i, j, h, w), drawn from the view's seed."""
+    area = height * width
+    for attempt in range(10):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * _uniform(view_seed, 4 * attempt))
+        aspect_ratio = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * _uniform(view_seed, 4 * attempt + 1))
+        w = int(round(np.sqrt(target_area * aspect_ratio)))
+        h = int(round(np.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = int(_uniform(view_seed, 4 * attempt + 2) * (height - h + 1))
+            j = int(_uniform(view_seed, 4 * attempt + 3) * (width - w + 1))
+            return i, j, h, w
+    in_ratio = float(width) / float(height)  # fallback: the centre crop of the clamped ratio
+    w, h = int(width), int(height)
+    if in_ratio < np.exp(log_ratio[0]):
+        h = int(round(w / np.exp(log_ratio[0])))
+    elif in_ratio > np.exp(log_ratio[1]):
+        w = int(round(h * np.exp(log_ratio[1])))
+    return (int(height) - h) // 2, (int(width) - w) // 2, h, w
+
+
+@numba.njit(nogil=True)
+def _flip_in_place(img):  # (H, W, 3) uint8
+    width = img.shape[1]
+    for r in range(img.shape[0]):
+        for c in range(width // 2):
+            for ch in range(img.shape[2]):
+                t = img[r, c, ch]
+                img[r, c, ch] = img[r, width - 1 - c, ch]
+                img[r, width - 1 - c, ch] = t
+
+
+class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
+    """Decode, RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and horizontal flip in one compiled stage,
+    with the parameters drawn from the view's seed (the high bits of the id) rather than numba's
+    unseeded generator."""
+
+    def __init__(self, output_size, flip_prob: float):
+        super().__init__(output_size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+        self.flip_prob = flip_prob
+
+    def generate_code(self):
+        jpg, mem_read, my_range = IMAGE_MODES["jpg"], self.memory_read, Compiler.get_iterator()
+        imdecode_c, resize_crop_c = Compiler.compile(imdecode), Compiler.compile(resize_crop)
+        scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination, temp_storage = my_storage
+            for dst_ix in my_range(len(batch_indices)):
+                view = batch_indices[dst_ix]
+                view_seed = view >> ID_BITS
+                field = metadata[view & FILE_INDEX]
+                image_data = mem_read(field["data_ptr"], storage_state)
+                height, width = np.uint32(field["height"]), np.uint32(field["width"])
+                if field["mode"] == jpg:
+                    temp_buffer = temp_storage[dst_ix]
+                    imdecode_c(image_data, temp_buffer, height, width, height, width, 0, 0, 1, 1, False, False)
+                    temp_buffer = temp_buffer.reshape(-1)[:3 * height * width].reshape(height, width, 3)
+                else:
+                    temp_buffer = image_data.reshape(height, width, 3)
+                i, j, h, w = _seeded_crop(height, width, scale, log_ratio, view_seed)
+                resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
+                if _uniform(view_seed, 40) < flip_prob:
+                    _flip_in_place(destination[dst_ix])
+            return destination[:len(batch_indices)]
+
+        decode.is_parallel = True
+        return decode
+
+
+class ViewLabelDecoder(IntDecoder):
+    """The label of a view id (its low bits are the file index)."""
+
+    def generate_code(self):
+        def decoder(indices, destination, metadata, storage_state):
+            for ix in range(len(indices)):
+                destination[ix] = metadata[indices[ix] & FILE_INDEX]
+            return destination[:len(indices)]
+
+        return decoder
+
+
+class PrivateTimmStage(Operation):
+    """timm's RandAugment, normalisation and random erasing per view, seeded by the view (not compiled:
+    runs in ffcv's iterator thread, on private generators; see private_aug.py)."""
+
+    def __init__(self, augment: PrivateAugment, size: int):
+        super().__init__()
+        self.augment, self.size = augment, size
+
+    def generate_code(self):
+        augment = self.augment
+
+        def run(images, _, indices):  # images: (B, S, S, 3) uint8 from the decoder
+            return torch.stack([augment(Image.fromarray(img), int(view >> ID_BITS))
+                                for img, view in zip(images, indices)])
+
+        run.with_indices = True
+        return run
+
+    def declare_state_and_memory(self, previous_state):
+        return replace(previous_state, jit_mode=False, shape=(3, self.size, self.size), dtype=torch.float32), None
+
+
+class _EvalNormalize(torch.nn.Module):
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+        std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+        return (batch.float() - mean) / std
+
+
+class FfcvLoader:
+    """FFCV .beton through ffcv's Loader with the epoch plan as its traversal order.
+
+    Train crops, flips and the timm augmentation that follows are drawn from the view's seed, a function
+    of (seed, epoch, position in the epoch): the same batches for any ``num_workers`` and after a resume.
+    """
+
+    def __init__(self, d: DataConfig, spec: LoaderSpec):
+        location = Path(d.train_path if spec.train else d.val_path)
+        manifest = read_manifest(str(location))
+        name, indices = subset_indices(location, manifest, spec.split, d.subset_fraction if spec.train else 1.0)
+        self.num_samples = len(indices)
+        self.d, self.spec, self._indices = d, spec, indices.astype(np.uint64)
+        self.geometry = EpochGeometry.of(self.num_samples, spec, str(location))
+        self.num_real = self.geometry.num_real
+        self._path, self._loader = location / name, None
+
+    def __len__(self) -> int:
+        return self.geometry.num_batches
+
+    def _image_pipeline(self) -> list:
+        d, size = self.d, self.spec.img_size
+        if not self.spec.train:
+            return [CenterCropRGBImageDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
+                    ToTorchImage(channels_last=False), _EvalNormalize()]
+        from timm.data import create_transform
+
+        _, secondary, final = create_transform(
+            input_size=size, is_training=True, hflip=0.0, color_jitter=d.color_jitter,
+            auto_augment=d.rand_augment, interpolation=d.interpolation, re_prob=d.reprob,
+            re_mode="pixel", re_count=1, separate=True)
+        return [SeededCropFlipDecoder((size, size), d.hflip), PrivateTimmStage(PrivateAugment(secondary, final), size)]
+
+    def _ffcv_loader(self) -> Loader:
+        """Built once: each ffcv Loader compiles its pipeline with numba (seconds)."""
+        if self._loader is None:
+            self._loader = Loader(
+                str(self._path), batch_size=self.spec.micro_batch_size, num_workers=max(1, self.d.num_workers),
+                order=ORDER_KEY, indices=self._indices, seed=self.spec.seed, drop_last=self.spec.train,
+                os_cache=True, pipelines={"image": self._image_pipeline(), "label": [ViewLabelDecoder(), ToTensor(),
+                                                                                     Squeeze()]})
+        return self._loader
+
+    def views(self, epoch: int, start_batch: int = 0) -> np.ndarray:
+        """The ids ffcv passes through the pipeline for this rank's views from ``start_batch`` on: the file
+        index in the low 32 bits, the view's augmentation seed (train) in the high 32 bits."""
+        first = start_batch * self.spec.micro_batch_size
+        positions = self.geometry.sample_indices(epoch, self.d.repeated_aug)[first:]
+        views = self._indices[positions]
+        if self.spec.train:
+            seeds = view_seeds(self.spec.seed, epoch, self.geometry.global_positions(first, len(positions)))
+            views = views | (seeds << ID_BITS)
+        return views
+
+    def epoch(self, epoch: int, start_batch: int = 0):
+        """Batches ``start_batch``.. of ``epoch``. Closing the generator (or dropping it) stops ffcv's thread."""
+        loader = self._ffcv_loader()
+        loader.plan_order = self.views(epoch, start_batch)
+        it = iter(loader)
+        try:
+            for images, labels in it:
+                # ffcv reuses its output buffers: copy what leaves the loader.
+                yield images.clone(), labels.clone().long()
+        finally:
+            _shut_down(it)
+
+
+def _shut_down(it) -> None:
+    """Stop an ffcv EpochIterator and wait for its thread. ffcv's ``close()`` only raises a flag, and a
+    thread that has finished its batches then blocks for ever on a full queue that nobody reads."""
+    it.iter_ixes = iter(())  # start no further batch
+    it.terminate_event.set()
+    while it.is_alive():
+        try:
+            it.output_queue.get_nowait()
+        except queue.Empty:
+            pass
+        it.join(timeout=0.05)
+    it.close()
