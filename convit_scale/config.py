@@ -145,6 +145,16 @@ class ParallelConfig:
     """DeepSpeed: offload optimizer state to CPU."""
     zero_bucket_elements: int | None = None
     """DeepSpeed bucket sizes in elements; None = sized from the model (default buckets are GPU-sized)."""
+    zero_overlap_comm: bool | None = None
+    """DeepSpeed: overlap gradient reduction with backward; None = on with CUDA, off on CPU."""
+    zero_param_persistence_threshold: int | None = None
+    """ZeRO-3: parameters below this many elements stay whole on every rank; None = 1e5 on CUDA, 0 on CPU."""
+    zero_prefetch_bucket_elements: int | None = None
+    """ZeRO-3: parameter elements gathered ahead of use; None = 5e7 on CUDA, the bucket size on CPU."""
+    zero_max_live_parameters: int | None = None
+    """ZeRO-3: most gathered parameter elements held at once; None = 1e9 on CUDA, the bucket size on CPU."""
+    zero_max_reuse_distance: int | None = None
+    """ZeRO-3: keep a gathered parameter reused within this many elements; None = 1e9 on CUDA, bucket on CPU."""
     meta_init: bool = False
     """FSDP2: build on the meta device and initialise shards after sharding (large models)."""
     timeout_s: int = 600
@@ -471,6 +481,16 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "needs parallel.strategy zero1, zero2 or zero3")
     if p.zero_bucket_elements is not None and p.zero_bucket_elements < 1:
         fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "must be >= 1, or null (sized from the model)")
+    for key in ("zero_overlap_comm", "zero_param_persistence_threshold", "zero_prefetch_bucket_elements",
+                "zero_max_live_parameters", "zero_max_reuse_distance"):
+        value = getattr(p, key)
+        stage3_only = key != "zero_overlap_comm"
+        if value is not None and not p.strategy.startswith("zero3" if stage3_only else "zero"):
+            fail(f"parallel.{key}", value, "needs parallel.strategy zero3" if stage3_only
+                 else "needs parallel.strategy zero1, zero2 or zero3")
+        if stage3_only and value is not None and value < 0:
+            fail(f"parallel.{key}", value, "must be >= 0, or null (DeepSpeed's value on CUDA, sized from the model "
+                 "on CPU)")
     if p.compile and p.strategy.startswith("zero"):
         fail("parallel.compile", True, "is supported with ddp and fsdp2 (DeepSpeed's ZeRO-3 linear does not trace "
              "under torch.compile); set it false for zero1/2/3")

@@ -5,12 +5,15 @@ Memory model (bytes; P parameters, N ranks sharding, c = 2 in bf16 / 4 in fp32 c
   ddp 16P (+4P while it rebuilds its buckets after step 1); fsdp2 16P/N (+4P/N of gradient buffers)
   plus the unsharded working set of two blocks (c + 4 bytes per block parameter);
   zero1 keeps parameters and gradients whole (2c P) and shards master + moments (12P/N, or 8P/N in fp32);
-  zero2 also shards gradients; zero3 shards everything and keeps a bucket of gathered parameters and one
-  of gradients being reduced (its fp32 partitions double as the master weights in fp32 runs).
+  zero2 also shards gradients; zero3 shards everything and keeps the gathered parameters DeepSpeed lets
+  live (``stage3_max_live_parameters``, at most the model) and a bucket of gradients being reduced (its
+  fp32 partitions double as the master weights in fp32 runs); sizes from ``parallel.zero.zero_sizes``,
+  the function that writes the engine's DeepSpeed config, for a GPU or (``--gpu cpu``) the CPU.
 - activations: the bytes autograd saves per image, counted exactly by a forward on the meta device
   (no memory used), times the micro-batch; with activation checkpointing, one block's worth plus every
   block's input.
-Step time = 3 x forward FLOPs x global batch / (world x peak bf16 FLOP/s x MFU).
+Step time = 3 x forward FLOPs x global batch / (world x peak bf16 FLOP/s x MFU); memory and peaks of the
+GPUs from ``hardware.GPUS``.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-IMAGENET_TRAIN = 1_281_167
+from .config import ParallelConfig
+from .hardware import GPUS
+from .parallel.zero import zero_sizes
 
-GPUS = {  # name: (memory GiB, dense bf16 peak TFLOP/s)
-    "h100-80gb": (80, 989), "h200-141gb": (141, 989), "a100-80gb": (80, 312), "a100-40gb": (40, 312),
-    "l40s-48gb": (48, 362), "v100-32gb": (32, 125), "cpu": (24, 1),
-}
+IMAGENET_TRAIN = 1_281_167
 
 
 @dataclass
@@ -78,8 +80,8 @@ def model_facts(cfg, compute_bytes: int = 2) -> ModelFacts:
     )
 
 
-def state_bytes(strategy: str, f: ModelFacts, n: int, c: int, bucket: float | None = None) -> dict[str, float]:
-    """Parameters, gradients and optimizer state per rank, in bytes."""
+def state_bytes(strategy: str, f: ModelFacts, n: int, c: int, zero: dict | None = None) -> dict[str, float]:
+    """Parameters, gradients and optimizer state per rank, in bytes; ``zero``: ``zero_sizes`` (zero3)."""
     P = f.params
     master = 4  # fp32 master weights (and the parameters themselves in fp32 runs)
     if strategy in ("ddp", "none"):
@@ -98,15 +100,18 @@ def state_bytes(strategy: str, f: ModelFacts, n: int, c: int, bucket: float | No
     if strategy == "zero2":
         return {"params": (low or 4) * P + (master * P / n if low else 0), "grads": (low or 4) * P / n,
                 "optimizer": 8 * P / n}
-    live = bucket if bucket is not None else min(5e8, max(1e6, P / 10))
-    # one bucket of gathered parameters and one of gradients being reduced (DeepSpeed's ipg bucket)
-    return {"params": ((low or 4) + (master if low else 0)) * P / n + live * (low or 4),
-            "grads": (low or 4) * P / n + live * (low or 4), "optimizer": 8 * P / n}
+    if zero is None:
+        zero = zero_sizes(ParallelConfig(strategy="zero3"), P)
+    gathered = min(P, zero["max_live_parameters"])
+    # the gathered parameters and one bucket of gradients being reduced (DeepSpeed allocates its ipg
+    # bucket whole)
+    return {"params": ((low or 4) + (master if low else 0)) * P / n + gathered * (low or 4),
+            "grads": (low or 4) * P / n + zero["bucket"] * (low or 4), "optimizer": 8 * P / n}
 
 
 def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4,
          strategies=("ddp", "fsdp2", "zero1", "zero2", "zero3")) -> list[dict]:
-    mem_gib, peak_tflops = GPUS[gpu]
+    mem_gib, peak_tflops = GPUS[gpu].memory_gib, GPUS[gpu].peak_tflops
     c = 4 if cfg.parallel.precision == "fp32" else 2
     facts = model_facts(cfg, c)
     world = nodes * gpus_per_node
@@ -117,9 +122,10 @@ def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4,
     images = IMAGENET_TRAIN * cfg.data.subset_fraction
     steps = cfg.schedule.epochs * math.floor(images / global_batch)
     step_s = 3 * facts.fwd_flops_per_image * global_batch / (world * peak_tflops * 1e12 * mfu)
+    zero = zero_sizes(cfg.parallel, facts.params, "cpu" if gpu == "cpu" else "cuda")
     rows = []
     for s in strategies:
-        st = state_bytes(s, facts, world, c, cfg.parallel.zero_bucket_elements)
+        st = state_bytes(s, facts, world, c, zero)
         fixed = sum(st.values())
         fit = int((budget - fixed) // act) if budget > fixed else 0
         micro = accum = None

@@ -1,9 +1,13 @@
 """The planner's memory model against the memory the engine measures on CPU (same configuration)."""
 
+import math
+import re
+
 import pytest
+import torch
 
 from conftest import records, run_cli, tiny_recipe
-from convit_scale.config import load_config
+from convit_scale.config import ConfigError, load_config
 from convit_scale.planner import model_facts, plan
 
 
@@ -45,3 +49,80 @@ def test_memory_model_matches_engine_on_cpu(fm_tree, tmp_path, strategy):
         return
     predicted = row["total_gib"] * 1024
     assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+# -- ZeRO sizes: one function (parallel.zero.zero_sizes) for the engine's DeepSpeed config and the planner --
+ZERO_CPU_21M = {  # what deepspeed_config wrote before the GPU settings existed: a tenth of the model
+    "stage": 3, "reduce_bucket_size": 2_100_000, "allgather_bucket_size": 2_100_000, "overlap_comm": False,
+    "contiguous_gradients": True, "stage3_prefetch_bucket_size": 2_100_000,
+    "stage3_max_live_parameters": 2_100_000, "stage3_max_reuse_distance": 2_100_000,
+    "sub_group_size": 2_100_000, "stage3_param_persistence_threshold": 0,
+}
+
+
+def _zero(overrides=(), device="cpu", params=21_000_000):
+    from convit_scale.parallel.zero import deepspeed_config
+
+    cfg = load_config(None, ["parallel.strategy=zero3", *overrides])
+    return deepspeed_config(cfg.parallel, 4, 2, 2, params, 1.0, device=torch.device(device))
+
+
+def test_zero_config_on_cpu_is_sized_from_the_model():
+    assert _zero()["zero_optimization"] == ZERO_CPU_21M
+    assert _zero(params=1000)["zero_optimization"]["reduce_bucket_size"] == 1_000_000  # floor 1e6
+    small = _zero(["parallel.zero_bucket_elements=8000"])["zero_optimization"]
+    assert {small[k] for k in ZERO_CPU_21M if k.endswith(("size", "parameters", "distance"))} == {8000}
+    cfg = _zero(device="cpu")
+    assert cfg["train_batch_size"] == 16 and cfg["gradient_clipping"] == 1.0
+
+
+def test_zero_config_on_cuda_is_deepspeeds_own_defaults():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = _zero(device="cuda")["zero_optimization"]
+    ours, theirs = DeepSpeedZeroConfig(**zero), DeepSpeedZeroConfig(stage=3)
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "prefetch_bucket_size",
+                "param_persistence_threshold", "max_live_parameters", "max_reuse_distance", "sub_group_size"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert _zero(device="cuda", params=10**10)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_each_explicit_zero_key_wins(device):
+    zero = _zero(["parallel.zero_bucket_elements=19", "parallel.zero_overlap_comm=true",
+                  "parallel.zero_param_persistence_threshold=7", "parallel.zero_prefetch_bucket_elements=11",
+                  "parallel.zero_max_live_parameters=13", "parallel.zero_max_reuse_distance=17"], device)
+    z = zero["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["allgather_bucket_size"], z["overlap_comm"]) == (19, 19, True)
+    assert (z["stage3_param_persistence_threshold"], z["stage3_prefetch_bucket_size"],
+            z["stage3_max_live_parameters"], z["stage3_max_reuse_distance"]) == (7, 11, 13, 17)
+    assert _zero(["parallel.zero_overlap_comm=false"], "cuda")["zero_optimization"]["overlap_comm"] is False
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("parallel.zero_max_live_parameters=-1", "parallel.zero_max_live_parameters = -1 is not allowed; must be >= 0"),
+    ("parallel.zero_prefetch_bucket_elements=1.5", "parallel.zero_prefetch_bucket_elements = 1.5 is not allowed; "
+                                                   "expected int or null"),
+    ("parallel.zero_overlap_comm=3", "parallel.zero_overlap_comm = 3 is not allowed; expected bool or null"),
+])
+def test_bad_zero_keys_are_refused(override, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, ["parallel.strategy=zero3", override])
+    with pytest.raises(ConfigError, match="needs parallel.strategy zero3"):
+        load_config(None, ["parallel.strategy=zero2", "parallel.zero_max_reuse_distance=5"])
+    with pytest.raises(ConfigError, match="zero_overlap_comm = True is not allowed; needs parallel.strategy zero1"):
+        load_config(None, ["parallel.strategy=fsdp2", "parallel.zero_overlap_comm=true"])
+
+
+def test_planner_reads_the_engines_zero_sizes():
+    """zero3's buffers in the plan are the engine's: DeepSpeed's on a GPU, a tenth of the model on CPU."""
+    cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3"])
+    P = model_facts(cfg).params
+    (gpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", strategies=("zero3",))
+    (cpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="cpu", strategies=("zero3",))
+    assert math.isclose(gpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * 5e8)  # bf16 ipg bucket of 5e8 elements
+    assert math.isclose(cpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * int(P / 10))
+    cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3",
+                                                                "parallel.zero_bucket_elements=1000000"])
+    (small,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", strategies=("zero3",))
+    assert math.isclose(small["grads_gib"] * 2**30, 2 * P / 8 + 2 * 1e6)

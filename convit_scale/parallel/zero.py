@@ -9,22 +9,52 @@ import torch
 from .base import Strategy
 
 
+# DeepSpeed's own defaults, sized for GPUs (deepspeed/runtime/zero/config.py)
+GPU_DEFAULTS = {"bucket": int(5e8), "overlap_comm": True, "param_persistence_threshold": int(1e5),
+                "prefetch_bucket": int(5e7), "max_live_parameters": int(1e9), "max_reuse_distance": int(1e9),
+                "sub_group_size": int(1e9)}
+
+
+def zero_sizes(p, num_params: int, device: torch.device | str = "cpu") -> dict:
+    """The ZeRO buffer sizes (elements) and switches for ``p`` (a ParallelConfig) on ``device``.
+
+    Each ``parallel.zero_*`` key that is set wins. Unset ones take DeepSpeed's defaults on CUDA; on CPU
+    they are sized from the model, because DeepSpeed's defaults cost more memory than a small model (and
+    on CPU ZeRO-3 with them used more memory per rank than DDP): buckets, prefetch, live parameters,
+    reuse distance and optimizer sub-groups of ``zero_bucket_elements`` or a tenth of the model within
+    [1e6, 5e8], no overlap of communication (no streams to overlap on), every parameter sharded
+    (persistence threshold 0).
+    The engine (``deepspeed_config``) and the planner both read their sizes from here.
+    """
+    if torch.device(device).type == "cuda":
+        auto = {**GPU_DEFAULTS, "bucket": p.zero_bucket_elements or GPU_DEFAULTS["bucket"]}
+    else:
+        b = p.zero_bucket_elements or int(min(5e8, max(1e6, num_params / 10)))
+        auto = {"bucket": b, "overlap_comm": False, "param_persistence_threshold": 0, "prefetch_bucket": b,
+                "max_live_parameters": b, "max_reuse_distance": b, "sub_group_size": b}
+    chosen = {"overlap_comm": p.zero_overlap_comm, "param_persistence_threshold": p.zero_param_persistence_threshold,
+              "prefetch_bucket": p.zero_prefetch_bucket_elements, "max_live_parameters": p.zero_max_live_parameters,
+              "max_reuse_distance": p.zero_max_reuse_distance}
+    return {**auto, **{k: v for k, v in chosen.items() if v is not None}}
+
+
 def deepspeed_config(p, micro_batch: int, grad_accum: int, world_size: int, num_params: int,
-                     grad_clip: float | None = None) -> dict:
+                     grad_clip: float | None = None, device: torch.device | str = "cpu") -> dict:
+    """The DeepSpeed config of a ZeRO run; buffer sizes and switches from ``zero_sizes``."""
     stage = int(p.strategy[-1])
-    # DeepSpeed's default buckets (5e8 elements) are GPU-sized; on a small model or on CPU they cost more
-    # memory than the model. Size them from the model: a tenth of it, within [1e6, 5e8].
-    bucket = p.zero_bucket_elements or int(min(5e8, max(1e6, num_params / 10)))
-    zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-            "overlap_comm": False, "contiguous_gradients": True}
+    z = zero_sizes(p, num_params, device)
+    zero = {"stage": stage, "reduce_bucket_size": z["bucket"], "allgather_bucket_size": z["bucket"],
+            "overlap_comm": z["overlap_comm"], "contiguous_gradients": True}
     if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=bucket,
-                    stage3_max_reuse_distance=bucket,
+        zero.update(stage3_prefetch_bucket_size=z["prefetch_bucket"],
+                    stage3_max_live_parameters=z["max_live_parameters"],
+                    stage3_max_reuse_distance=z["max_reuse_distance"],
                     # the optimizer steps one sub-group at a time, with a flat fp32 gradient copy and the
-                    # optimizer's temporaries per sub-group: a whole-model sub-group (1e9) doubles them
-                    sub_group_size=bucket,
+                    # optimizer's temporaries per sub-group: on CPU a whole-model sub-group (DeepSpeed's
+                    # 1e9) doubles them, so there it is a bucket
+                    sub_group_size=z["sub_group_size"],
                     # parameters under the threshold stay whole on every rank; 0 shards them all
-                    stage3_param_persistence_threshold=0)
+                    stage3_param_persistence_threshold=z["param_persistence_threshold"])
     if p.zero_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {

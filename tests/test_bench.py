@@ -1,0 +1,65 @@
+"""The benchmarks' shared pieces: the GPU table, the timed step, distillation through the training loss,
+and the ZeRO sizes `bench memory` pins."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convit_scale import planner
+from convit_scale.bench import distill, memory, model, worker
+from convit_scale.config import load_config
+from convit_scale.hardware import GPUS, peak_tflops_of
+from convit_scale.parallel.zero import deepspeed_config
+from convit_scale.train.distill import DistillLoss
+
+
+def test_one_gpu_table_for_planner_and_mfu():
+    assert planner.GPUS is GPUS
+    assert peak_tflops_of("NVIDIA H200") == GPUS["h200-141gb"].peak_tflops == 989
+    assert peak_tflops_of("NVIDIA GH200 480GB") == GPUS["gh200-96gb"].peak_tflops
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB") == 312  # not the A10 inside "A100"
+    assert peak_tflops_of("NVIDIA A10") == 125 and peak_tflops_of("NVIDIA L40S") == 362
+    assert peak_tflops_of("Some Future GPU") is None
+
+
+def test_timed_step_measures_a_training_step():
+    spec = {"model": ["convit_nano", "fast"], "batch": 2, "img_size": 16, "steps": 2, "warmup": 1,
+            "device": "cpu", "precision": "fp32"}
+    r = worker.timed_step(spec, model.build)
+    assert r["images_per_s"] > 0 and r["peak_mb"] >= 0
+
+
+def test_distill_bench_steps_with_the_training_loss():
+    """`bench distill` times DistillLoss itself: hard distillation, alpha 0.5, teacher without gradients."""
+    spec = {"student": "convit_nano", "teacher": "resnet18", "batch": 3, "img_size": 16, "steps": 1, "warmup": 1,
+            "device": "cpu", "precision": "fp32"}
+    w = distill.build(spec, torch.device("cpu"))
+    assert isinstance(w.loss, DistillLoss) and w.optimizer is None
+    assert not any(p.requires_grad for p in w.loss.teacher.parameters())
+    x, y = torch.randn(3, 3, 16, 16), torch.tensor([0, 1, 2])
+    logits = w.model(x)
+    with torch.no_grad():
+        hard = w.loss.teacher(x).argmax(1)
+    expected = 0.5 * F.cross_entropy(logits, y) + 0.5 * F.cross_entropy(logits, hard)
+    assert torch.allclose(w.loss(x, logits, y), expected)
+    assert distill.build({**spec, "teacher": None}, torch.device("cpu")).loss is None
+    assert worker.timed_step(spec, distill.build)["images_per_s"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_memory_bench_pins_the_cpu_zero_sizes(strategy):
+    """The overrides `bench memory` passes are valid and give the CPU sizes even where CUDA defaults apply."""
+    params = 153_000_000
+    overrides = memory.zero_overrides(strategy, params)
+    if strategy == "ddp":
+        assert overrides == []
+        return
+    cfg = load_config(None, [f"parallel.strategy={strategy}", *overrides])
+    default = load_config(None, [f"parallel.strategy={strategy}"])
+    pinned = deepspeed_config(cfg.parallel, 2, 1, 2, params, device=torch.device("cuda"))["zero_optimization"]
+    cpu = deepspeed_config(default.parallel, 2, 1, 2, params, device=torch.device("cpu"))["zero_optimization"]
+    for zero in (pinned, cpu):  # sub-groups have no key: on CUDA they stay DeepSpeed's
+        zero.pop("sub_group_size", None)
+    assert pinned == cpu and cpu["reduce_bucket_size"] == math.floor(params / 10)
