@@ -15,8 +15,8 @@
 # gives every task --cpus-per-task; torchrun gets all of the node's CPUs and splits them among its ranks.
 # Requeue: after the pre-timeout signal the ranks save, exit with 75, and rank 0 writes
 # $OUTPUT_DIR/STOPPED_FOR_REQUEUE. The job requeues itself (and resumes from the newest checkpoint) only
-# when that marker was written during this run's training step AND the step exited with 75 (torchrun:
-# 75, or 1, which torch.distributed.run returns when its ranks exit non-zero, 75 included).
+# when that marker was written during this run's training step AND the step's exit status is one a stop
+# gives (75, or what srun and torchrun make of it; see below).
 set -uo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 LAUNCHER=${LAUNCHER:-srun}
@@ -115,8 +115,13 @@ fi
 rc=$?
 stopped=no
 if [ -f "$MARKER" ]; then
-    # torch.distributed.run exits 1 when its ranks fail, and to it an exit with 75 is a failure.
-    if [ $rc -eq 75 ] || { [ "$LAUNCHER" = torchrun ] && [ $rc -eq 1 ]; }; then stopped=yes; fi
+    # The step's status after a stop: 75; or 143/137 when the first task to exit with 75 made srun
+    # (--kill-on-bad-exit) end the others before they exited themselves (srun reports the highest
+    # status, a signal as 128+N); torchrun: 1, which torch.distributed.run returns when its ranks exit
+    # non-zero, 75 included.
+    case "$LAUNCHER:$rc" in
+        *:75 | *:143 | *:137 | torchrun:1) stopped=yes ;;
+    esac
 fi
 if [ $stopped = yes ]; then
     restarts=${SLURM_RESTART_COUNT:-0}
