@@ -4,52 +4,142 @@
 #   DATA_DIR      prepared data folder (sets data.train_path and data.val_path)
 #   OUTPUT_DIR    run folder (default runs/<job name>); checkpoints there survive requeues
 #   OVERRIDES     extra dotted overrides, space separated (e.g. "parallel.strategy=zero3 data.num_workers=10")
-#   LAUNCHER      srun (default: one task per GPU) or torchrun (one torchrun per node, static rendezvous)
+#   LAUNCHER      srun (default: one task per GPU) or torchrun (one torchrun per node, static rendezvous;
+#                 needs a torch whose torchrun has --signals-to-handle, torch 2.9 and later)
 #   PYTHON        interpreter (default .venv/bin/python, else python3)
 #   MASTER_ADDR   rendezvous host (default: first node of the job)
 #   STOP_GRACE_S  torchrun only: seconds the ranks get, after the pre-timeout signal, to save before
 #                 torchrun kills them (default 300; keep it under the script's --signal=USR1@T)
-# Exit status 75 from training (or the STOPPED_FOR_REQUEUE marker) means: stopped by the pre-timeout
-# signal after a checkpoint; the job requeues itself and resumes from the newest checkpoint.
+#   MAX_REQUEUES  how many times the job may requeue itself (default 50), compared with SLURM_RESTART_COUNT
+# CPUs: each rank gets its share of the job's CPUs and as many OpenMP threads (OMP_NUM_THREADS): srun
+# gives every task --cpus-per-task; torchrun gets all of the node's CPUs and splits them among its ranks.
+# Requeue: after the pre-timeout signal the ranks save, exit with 75, and rank 0 writes
+# $OUTPUT_DIR/STOPPED_FOR_REQUEUE. The job requeues itself (and resumes from the newest checkpoint) only
+# when that marker was written during this run's training step AND the step's exit status is one a stop
+# gives (75, or what srun and torchrun make of it; see below).
 set -uo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
+LAUNCHER=${LAUNCHER:-srun}
+case "$LAUNCHER" in
+    srun | torchrun) ;;
+    *) echo "error: LAUNCHER=$LAUNCHER is not supported; allowed: srun (one task per GPU) or torchrun (one per node)" >&2
+       exit 2 ;;
+esac
+MAX_REQUEUES=${MAX_REQUEUES:-50}
+if ! [[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]]; then
+    echo "error: MAX_REQUEUES=$MAX_REQUEUES is not allowed; use a whole number >= 0 (default 50)" >&2
+    exit 2
+fi
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 : "${RECIPE:?RECIPE is not set}"
 OUT=${OUTPUT_DIR:-runs/${SLURM_JOB_NAME:-job}}
+MARKER="$OUT/STOPPED_FOR_REQUEUE"
 args=("run.output_dir=$OUT")
 if [ -n "${DATA_DIR:-}" ]; then args+=("data.train_path=$DATA_DIR" "data.val_path=$DATA_DIR"); fi
 # shellcheck disable=SC2206
 args+=(${OVERRIDES:-})
 NODES=${SLURM_JOB_NUM_NODES:-1}
-GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}
+GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}  # ranks per node
+[ "$GPUS" -ge 1 ] 2>/dev/null || GPUS=1
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" | head -n 1)}
 export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}  # several jobs may share a node
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+
+# CPUs. Since Slurm 22.05 srun does not inherit the job's --cpus-per-task: without an explicit one every
+# task gets a single CPU, and torchrun's ranks with all their loader workers would share it.
+tasks_layout=${SLURM_TASKS_PER_NODE:-1}  # e.g. "8(x2)"
+TASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-${tasks_layout%%[(,]*}}
+NODE_CPUS=${SLURM_CPUS_ON_NODE:-$((TASKS_PER_NODE * ${SLURM_CPUS_PER_TASK:-1}))}  # the job's CPUs on a node
+if [ "$LAUNCHER" = torchrun ]; then
+    STEP_CPUS=$NODE_CPUS                                     # one torchrun task per node holds them all
+    RANK_CPUS=$((NODE_CPUS / GPUS))
+    cpu_note="node CPUs $NODE_CPUS / $GPUS rank(s) per node"
+else
+    RANK_CPUS=${SLURM_CPUS_PER_TASK:-$((NODE_CPUS / TASKS_PER_NODE))}
+    STEP_CPUS=$RANK_CPUS
+    cpu_note="--cpus-per-task=$STEP_CPUS per task"
+fi
+[ "$RANK_CPUS" -ge 1 ] || RANK_CPUS=1
+[ "$STEP_CPUS" -ge 1 ] || STEP_CPUS=1
+export OMP_NUM_THREADS=$RANK_CPUS
 
 echo "== convit-scale job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}"
-echo "== nodes $NODES, tasks/GPUs per node $GPUS, launcher ${LAUNCHER:-srun}, master $MASTER_ADDR:$MASTER_PORT"
+echo "== nodes $NODES, tasks/GPUs per node $GPUS, launcher $LAUNCHER, master $MASTER_ADDR:$MASTER_PORT"
+echo "== CPUs per rank $RANK_CPUS ($cpu_note), OMP_NUM_THREADS=$OMP_NUM_THREADS"
 echo "== recipe $RECIPE, output $OUT, overrides: ${args[*]}"
+
+if [ "$LAUNCHER" = torchrun ]; then
+    # Slurm's pre-timeout signal reaches torchrun, not its ranks (they run in their own sessions).
+    # torchrun forwards USR1 only when told to (--signals-to-handle, torch 2.9 and later): an older one dies
+    # of it and takes the ranks with it, unsaved. Test for the option, not for a version.
+    tv=$("$PY" -c "import sys
+from torch.distributed.run import get_args_parser
+import torch
+opts = {o for a in get_args_parser()._actions for o in a.option_strings}
+print(torch.__version__, '--shutdown-timeout' in opts)
+sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null)
+    case $? in
+        0) ;;
+        3) echo "error: LAUNCHER=torchrun needs torchrun --signals-to-handle (torch>=2.9) to forward Slurm's USR1 to the ranks; torch ${tv%% *} lacks it: use LAUNCHER=srun or a newer torch" >&2
+           exit 2 ;;
+        *) echo "error: LAUNCHER=torchrun: $PY cannot import torch.distributed.run" >&2
+           exit 2 ;;
+    esac
+    if [ "${tv##* }" != True ]; then
+        echo "== warning: torch ${tv%% *} has no torchrun --shutdown-timeout: the ranks get torchrun's fixed 30 s, not STOP_GRACE_S, to save after the signal"
+    fi
+fi
 # Validate (and print) the resolved recipe before any training process starts.
 "$PY" -m convit_scale.cli config "$RECIPE" "${args[@]}" | sed 's/^/   /' || { echo "error: recipe refused"; exit 2; }
 
-if [ "${LAUNCHER:-srun}" = torchrun ]; then
-    # Slurm signals the task, torchrun, whose ranks run in their own sessions: torchrun must forward
-    # USR1 (it forwards TERM/INT/HUP/QUIT only by default) and give the ranks time to save.
+# A marker left by an earlier run must not requeue this one: only a marker written by this step counts.
+rm -f "$MARKER"
+if [ -e "$MARKER" ]; then
+    echo "error: cannot remove the stale requeue marker $MARKER" >&2
+    exit 2
+fi
+if [ "$LAUNCHER" = torchrun ]; then
     export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
     export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-300}
-    srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "exec '$PY' -m torch.distributed.run \
+    # One task per node (explicit --ntasks: the job's SLURM_NTASKS would ask for one per GPU) with all of
+    # the node's CPUs, unbound, for torchrun to share among its ranks.
+    srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$STEP_CPUS" --cpu-bind=none \
+        --kill-on-bad-exit=1 bash -c "echo \"== node \$SLURM_NODEID: torchrun has \$SLURM_CPUS_PER_TASK CPUs, \
+ranks get OMP_NUM_THREADS=\$OMP_NUM_THREADS\"; exec '$PY' -m torch.distributed.run \
         --nnodes=$NODES --nproc-per-node=$GPUS --node-rank=\$SLURM_NODEID \
         --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT \
         -m convit_scale.train --recipe '$RECIPE' $(printf "'%s' " "${args[@]}")"
 else
-    srun --kill-on-bad-exit=1 "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
+    srun --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
 fi
 rc=$?
-if [ $rc -eq 75 ] || [ -f "$OUT/STOPPED_FOR_REQUEUE" ]; then
-    echo "== stopped before the time limit with a checkpoint; requeueing job ${SLURM_JOB_ID:-?}"
-    scontrol requeue "${SLURM_JOB_ID}"
+stopped=no
+if [ -f "$MARKER" ]; then
+    # The step's status after a stop: 75; or 143/137 when the first task to exit with 75 made srun
+    # (--kill-on-bad-exit) end the others before they exited themselves (srun reports the highest
+    # status, a signal as 128+N); torchrun: 1, which torch.distributed.run returns when its ranks exit
+    # non-zero, 75 included.
+    case "$LAUNCHER:$rc" in
+        *:75 | *:143 | *:137 | torchrun:1) stopped=yes ;;
+    esac
+fi
+if [ $stopped = yes ]; then
+    restarts=${SLURM_RESTART_COUNT:-0}
+    if [ "$restarts" -ge "$MAX_REQUEUES" ]; then
+        echo "error: job ${SLURM_JOB_ID:-?} stopped with a checkpoint but was already requeued $restarts times (MAX_REQUEUES=$MAX_REQUEUES); not requeueing: resubmit to resume from $OUT/checkpoints" >&2
+        exit 1
+    fi
+    echo "== stopped before the time limit with a checkpoint; requeueing job ${SLURM_JOB_ID:-?} ($((restarts + 1)) of at most $MAX_REQUEUES)"
+    if ! scontrol requeue "${SLURM_JOB_ID:-}"; then
+        echo "error: scontrol requeue ${SLURM_JOB_ID:-?} failed (the job needs --requeue); resubmit to resume from $OUT/checkpoints" >&2
+        exit 1
+    fi
     exit 0
+fi
+if [ $rc -eq 75 ]; then
+    echo "== training exited with 75 but wrote no $MARKER in this run: not requeueing"
+elif [ -f "$MARKER" ]; then
+    echo "== $MARKER is ignored: training exited with status $rc"
 fi
 echo "== training exited with status $rc"
 exit $rc

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -20,7 +21,8 @@ def slurm(tmp_path_factory):
     why = missing_requirements()
     if why:
         pytest.fail(f"cannot start the local Slurm cluster: {why}")
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    # 2 CPUs per node (the machine's 2 cores), so a job can hold more than one CPU per rank.
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2).start()
     yield cluster
     cluster.stop()
 
@@ -29,6 +31,23 @@ def _env(recipe, out, data, **extra):
     # All "nodes" share this host: rendezvous on loopback (the node names do not resolve here).
     return {"RECIPE": str(recipe), "OUTPUT_DIR": str(out), "DATA_DIR": str(data), "MASTER_ADDR": "127.0.0.1",
             "PYTHON": os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python")), **extra}
+
+
+def _wait(cond, what: str, log, timeout: float):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, f"no {what} after {timeout}s\n" + (log.read_text()[-3000:] if log.exists() else "no log")
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"LAUNCHER": "mpirun"}, "error: LAUNCHER=mpirun is not supported; allowed: srun (one task per GPU) or torchrun (one per node)"),
+    ({"MAX_REQUEUES": "-1"}, "error: MAX_REQUEUES=-1 is not allowed; use a whole number >= 0 (default 50)"),
+])
+def test_launch_refuses_unknown_settings_before_anything_runs(tmp_path, env, error):
+    res = subprocess.run(["bash", str(REPO / "slurm" / "launch.sh")], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PATH": os.environ["PATH"], "RECIPE": "r.yaml", "OUTPUT_DIR": str(tmp_path / "run"), **env})
+    assert res.returncode == 2 and res.stdout == "" and res.stderr == error + "\n", res
 
 
 def test_two_node_fsdp2_job_trains_and_evaluates(slurm, fm_wds, tmp_path):
@@ -86,3 +105,48 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     assert steps == list(range(1, 301))  # no step lost or repeated across the requeue
     meta = json.loads((out / "checkpoints" / "step_000000300" / "meta.json").read_text())
     assert meta["reason"] == "end"
+
+
+def test_stale_marker_does_not_requeue_a_job_that_fails_at_start_up(slurm, fm_tree, tmp_path):
+    """A marker left by an earlier stop must not requeue a run whose training never got going (before the
+    fix: requeued without end). srun per GPU: each rank gets the job's --cpus-per-task as OpenMP threads."""
+    out = tmp_path / "run"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"max_steps": 4})
+    out.mkdir()
+    (out / "STOPPED_FOR_REQUEUE").write_text("checkpoints/step_000000002")
+    log = tmp_path / "job.out"
+    job = slurm.sbatch("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=2", "--time=15",
+                       f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
+                       env=_env(recipe, out, fm_tree, OVERRIDES="checkpoint.resume=/nonexistent"), cwd=REPO)
+    info = slurm.wait_job(job, timeout=240)
+    text = log.read_text()
+    assert info["JobState"] == "FAILED" and info.get("Restarts") == "0", (info, text[-3000:])
+    assert "checkpoint.resume: /nonexistent is not a complete checkpoint" in text
+    assert "requeueing" not in text and "== training exited with status 1" in text
+    assert not (out / "STOPPED_FOR_REQUEUE").exists()
+    assert "== CPUs per rank 2 (--cpus-per-task=2 per task), OMP_NUM_THREADS=2" in text
+
+
+def test_requeue_cap_fails_a_job_that_keeps_stopping(slurm, fm_tree, tmp_path):
+    """MAX_REQUEUES=1: the first stop requeues, the second fails the job. torchrun per node gets all of the
+    node's CPUs (2 tasks x 1 CPU here) and gives each of its ranks its share as OpenMP threads."""
+    out = tmp_path / "run"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 300})
+    log = tmp_path / "job.out"
+    job = slurm.sbatch("--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=1", "--cpus-per-task=1", "--time=15",
+                       f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
+                       env=_env(recipe, out, fm_tree, LAUNCHER="torchrun", MAX_REQUEUES="1"), cwd=REPO)
+    for run in (1, 2):
+        last = max((r["step"] for r in records(out)), default=0)
+        _wait(lambda: max((r["step"] for r in records(out)), default=0) > last + 1, f"training in run {run}", log, 240)
+        slurm.run("scancel", "--signal=USR1", str(job))
+        _wait(lambda: len(records(out, "stopped")) == run, f"stop in run {run}", log, 120)
+    info = slurm.wait_job(job, timeout=120)
+    text = log.read_text()
+    assert info["JobState"] == "FAILED" and info.get("Restarts") == "1", (info, text[-3000:])
+    assert text.count("== stopped before the time limit with a checkpoint; requeueing job") == 1
+    assert (f"error: job {job} stopped with a checkpoint but was already requeued 1 times (MAX_REQUEUES=1); "
+            f"not requeueing: resubmit to resume from {out}/checkpoints") in text
+    assert "== CPUs per rank 2 (node CPUs 2 / 1 rank(s) per node), OMP_NUM_THREADS=2" in text
+    assert "== node 0: torchrun has 2 CPUs, ranks get OMP_NUM_THREADS=2" in text  # what the step really got
+    assert "Setting OMP_NUM_THREADS environment variable" not in text  # torchrun's default of 1 thread
