@@ -33,7 +33,7 @@ def test_memory_model_matches_engine_on_cpu(fm_tree, tmp_path, strategy):
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out",
                     model={"name": "deit_small", "img_size": 32, "drop_path_rate": 0.0},
                     data={"val_path": "", "global_batch_size": 64}, parallel={"strategy": strategy},
-                    schedule={"max_steps": 3})
+                    schedule={"max_steps": 3}, log={"debug_memory": True})
     res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"MALLOC_MMAP_THRESHOLD_": "1048576"})
     assert res.returncode == 0, res.stderr[-3000:]
     last = records(tmp_path / "out")[-1]

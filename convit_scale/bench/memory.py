@@ -38,7 +38,8 @@ def _measure(tree: Path, out: Path, model: str, img_size: int, world: int, strat
                  f"data.global_batch_size={2 * world}", "data.num_workers=0", "data.repeated_aug=1",
                  f"parallel.strategy={'none' if world == 1 and strategy == 'ddp' else strategy}",
                  "parallel.precision=fp32", "schedule.max_steps=2", "log.every_steps=1", "log.progress=false",
-                 "checkpoint.resume=none", f"run.output_dir={out}", *zero_overrides(strategy, params)]
+                 "checkpoint.resume=none", "log.debug_memory=true", f"run.output_dir={out}",
+                 *zero_overrides(strategy, params)]
     rc = run_recipe(str(RECIPE), overrides, world, env={"MALLOC_MMAP_THRESHOLD_": "1048576"}, quiet=world == 1)
     recs = read_records(out) if rc == 0 else []
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 2 GB per configuration, not needed

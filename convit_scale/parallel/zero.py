@@ -131,7 +131,8 @@ class ZeroStrategy(Strategy):
         optimizer = optimizer_fn(self.module)
         if self.p.zero_offload:
             optimizer = cpu_adam_like(optimizer)
-        cfg = deepspeed_config(self.p, micro_batch, grad_accum, self.world_size, num_params, self.grad_clip)
+        cfg = deepspeed_config(self.p, micro_batch, grad_accum, self.world_size, num_params, self.grad_clip,
+                               device=self.device)
         share_fp32_master_partitions()
         self._engine, self.optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=cfg)
         self.wrapped = self._engine
