@@ -21,10 +21,11 @@ def test_workers_ignore_sigterm_and_the_epoch_continues(fmt, fm_tree, fm_wds):
     loader = build_loader(d, LoaderSpec("val", 32, 25))
     want = list(loader.epoch(0))
     got, killed = [], []
+    others = {p.pid for p in psutil.Process().children()}  # processes left by earlier tests are not ours
     for x, y in loader.epoch(0):
         got.append((x, y))
         if not killed:
-            workers = psutil.Process().children()
+            workers = [p for p in psutil.Process().children() if p.pid not in others]
             assert len(workers) == 2
             for w in workers:
                 os.kill(w.pid, signal.SIGTERM)

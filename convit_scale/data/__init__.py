@@ -1,6 +1,6 @@
 """Loaders (FFCV, WebDataset, ImageFolder) with one contract, the epoch plan, and the DeiT transforms.
 
-``loader.epoch(epoch, start_batch)`` yields ``(images, labels)`` batches: images float (B, 3, S, S),
+``loader.epoch(epoch, start_batch)`` yields ``Batch`` objects (``x, y = batch``; data/batch.py): images float (B, 3, S, S),
 normalised; labels int64 (B,); ``len(loader)`` batches per epoch, the same on every rank, of which the
 first ``loader.num_real`` samples count (``geometry.py``). Train epochs are shuffled from the seed with
 repeated augmentation and drop the last partial batch; augmentation is seeded per sample, so a resumed

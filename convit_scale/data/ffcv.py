@@ -29,6 +29,7 @@ from ffcv.traversal_order.base import TraversalOrder
 from PIL import Image
 
 from ..config import DataConfig
+from .batch import Batch
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import view_seeds
 from .private_aug import PrivateAugment
@@ -250,7 +251,8 @@ class FfcvLoader:
         try:
             for images, labels in it:
                 # ffcv reuses its output buffers: copy what leaves the loader.
-                yield images.clone(), labels.clone().long()
+                images, labels = images.clone(), labels.clone().long()
+                yield Batch(images.pin_memory(), labels.pin_memory()) if self.spec.pin_memory else Batch(images, labels)
         finally:
             _shut_down(it)
 

@@ -29,6 +29,8 @@ class LoaderSpec:
     world_size: int = 1
     rank: int = 0
     seed: int = 0
+    pin_memory: bool = False
+    """Batches in page-locked memory (training on a GPU): the copy to the device overlaps compute."""
 
     @property
     def train(self) -> bool:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..config import DataConfig
+from .batch import Batch
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_all
@@ -32,6 +33,11 @@ class _SeededImages(Dataset):
         except OSError as e:
             raise DataError(f"{path}: unreadable image ({e}); convert with `convit-scale prep` to skip such files") from e
         return self.transform(img), label
+
+
+def _collate(items) -> Batch:
+    images, labels = default_collate(items)
+    return Batch(images, labels)
 
 
 def imagefolder_samples(root: Path, split: str, fraction: float) -> list[tuple[str, int]]:
@@ -71,5 +77,6 @@ class MapStyleLoader:
         items = [(int(i), sample_seed(s.seed, epoch, 0, int(p))) for i, p in zip(idx, positions)]
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train,
                             num_workers=self.d.num_workers, persistent_workers=False,
-                            generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn())
+                            generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn(),
+                            collate_fn=_collate, pin_memory=s.pin_memory)
         yield from loader

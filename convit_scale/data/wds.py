@@ -19,6 +19,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..config import DataConfig
+from .batch import Batch
 from .geometry import DataError, EpochGeometry, LoaderSpec, eval_positions
 from .plan import contiguous_range, epoch_permutation, sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_all
@@ -144,7 +145,7 @@ class _WdsEpoch(IterableDataset):
             for i, (jpg, _) in enumerate(chunk):
                 seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
                 images.append(ld.transform(_decode(jpg)))
-            yield torch.stack(images), torch.tensor([label for _, label in chunk], dtype=torch.long)
+            yield Batch(torch.stack(images), torch.tensor([label for _, label in chunk], dtype=torch.long))
 
 
 def _shuffle_buffer(items, size: int, rng: np.random.Generator):
@@ -194,5 +195,6 @@ class WdsLoader:
     def epoch(self, epoch: int, start_batch: int = 0):
         workers = min(self.d.num_workers, len(self))
         loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, num_workers=workers,
-                            generator=private_generator(self.spec.seed, epoch), worker_init_fn=worker_init_fn())
+                            generator=private_generator(self.spec.seed, epoch), worker_init_fn=worker_init_fn(),
+                            pin_memory=self.spec.pin_memory)
         yield from loader

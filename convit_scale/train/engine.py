@@ -140,9 +140,11 @@ def _criterion(cfg: Config, device: torch.device):
 
 def _loaders(cfg: Config, ctx: DistContext, micro: int):
     img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
-    train_loader = build_loader(cfg.data, LoaderSpec("train", img_size, micro, ctx.world_size, ctx.rank, cfg.run.seed))
+    pin = ctx.device.type == "cuda"
+    train_loader = build_loader(cfg.data, LoaderSpec("train", img_size, micro, ctx.world_size, ctx.rank, cfg.run.seed,
+                                                     pin_memory=pin))
     val_loader = build_loader(cfg.data, LoaderSpec("val", img_size, cfg.data.eval_batch_size, ctx.world_size,
-                                                   ctx.rank, cfg.run.seed)) if cfg.data.val_path else None
+                                                   ctx.rank, cfg.run.seed, pin_memory=pin)) if cfg.data.val_path else None
     return train_loader, val_loader
 
 
@@ -208,7 +210,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
         run.memory["teacher_checksum_start"] = checksum(teacher)
     if ctx.is_main and val_loader is not None:
         with contextlib.closing(_closing_iter(val_loader.epoch(0))) as it:
-            run.analysis_images = next(it)[0][:16].clone()
+            run.analysis_images = next(it).images[:16].clone()
     return run, state
 
 
