@@ -23,6 +23,33 @@ class ConfigError(ValueError):
     """A recipe key or value that is not allowed."""
 
 
+def _shipped_recipes() -> Path:
+    # An installed wheel holds the recipes in the package (pyproject maps the top-level recipes/ folder to
+    # convit_scale/recipes); a source checkout or an editable install reads the top-level folder itself.
+    packaged = Path(__file__).resolve().parent / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
+
+
+RECIPES = _shipped_recipes()
+"""The folder of the shipped recipes (recipes/ in the repository)."""
+
+
+def recipe_path(name: str | Path) -> Path:
+    """A shipped recipe by its name relative to recipes/ (``cpu/demo.yaml``; ``recipes/cpu/demo.yaml`` too)."""
+    parts = Path(name).parts
+    rel = Path(*parts[1:]) if len(parts) > 1 and parts[0] == "recipes" else Path(name)
+    path = RECIPES / rel
+    if rel.is_absolute() or not path.is_file():
+        raise ConfigError(f"recipe not found: {name} (neither a file nor a shipped recipe under {RECIPES})")
+    return path
+
+
+def find_recipe(name: str | Path) -> Path:
+    """``name`` if that file exists (relative to the current directory), otherwise the shipped recipe
+    of that name (see :func:`recipe_path`)."""
+    return Path(name) if Path(name).is_file() else recipe_path(name)
+
+
 @dataclass
 class ModelConfig:
     name: str = "convit_small"

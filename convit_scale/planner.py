@@ -1,4 +1,4 @@
-"""`convit-scale plan`: memory per GPU, micro-batch, accumulation, step time and GPU-hours per strategy.
+"""Memory per GPU, micro-batch, accumulation, step time and GPU-hours per strategy (`convit-scale plan`).
 
 Memory model (bytes; P parameters, N ranks sharding, c = 2 in bf16 / 4 in fp32 compute):
 - model state with AdamW is 16 bytes per parameter in fp32 (master 4 + gradient 4 + two moments 8):
@@ -141,40 +141,3 @@ def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4,
             "gpu_hours": step_s * steps * world / 3600, "wall_clock_h": step_s * steps / 3600,
         })
     return rows
-
-
-def _cmd_plan(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .config import load_config
-
-    cfg = load_config(args.recipe, args.overrides)
-    rows = plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
-    world = args.nodes * args.gpus_per_node
-    t = Table(title=f"{cfg.model.name} on {args.nodes} x {args.gpus_per_node} {args.gpu}, global batch "
-                    f"{cfg.data.global_batch_size}, {cfg.parallel.precision}, MFU {args.mfu:.0%} (estimates)")
-    for col in ("strategy", "params", "grads", "optim", "activations", "total GiB/GPU", "max micro", "micro x accum",
-                "step (s)", "GPU-hours", "wall-clock (h)"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(r["strategy"], f"{r['params_gib']:.2f}", f"{r['grads_gib']:.2f}", f"{r['optimizer_gib']:.2f}",
-                  "-" if r["activations_gib"] is None else f"{r['activations_gib']:.2f}", f"{r['total_gib']:.2f}",
-                  str(r["max_micro_batch"]),
-                  "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}",
-                  f"{r['step_s']:.3f}", f"{r['gpu_hours']:.0f}", f"{r['wall_clock_h']:.1f}")
-    Console().print(t)
-    if cfg.data.global_batch_size % world:
-        print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
-    return 0
-
-
-def add_subcommand(sub) -> None:
-    p = sub.add_parser("plan", help="memory per GPU, micro-batch, step time and GPU-hours for a recipe")
-    p.add_argument("--recipe", required=True)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=_cmd_plan)

@@ -9,7 +9,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import torch
 
 from convit_scale.config import DataConfig

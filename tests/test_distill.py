@@ -61,7 +61,7 @@ def test_distillation_end_to_end(strategy, fm_wds, teacher_file, tmp_path):
     import timm
     from safetensors.torch import load_file
 
-    from convit_scale.analysis.cli import eval_batches
+    from convit_scale.analysis.report import eval_batches
     from convit_scale.train.export import load_trained_model
 
     sha = hashlib.sha256(teacher_file.read_bytes()).hexdigest()
@@ -158,7 +158,7 @@ def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, tmp_
     from safetensors.torch import load_file
 
     import timm
-    from convit_scale.analysis.cli import eval_batches
+    from convit_scale.analysis.report import eval_batches
     from convit_scale.train.export import load_trained_model
 
     students = {}

@@ -15,7 +15,23 @@ import torch
 from ..models.convit import GPSA, ConViT
 from .cka import MinibatchCKA
 from ..metrics import read_records
+from ..train.evaluate import summarize, topk_counts
 from .metrics import attention_distance_px, attention_maps, gating, nonlocality
+
+
+def eval_batches(data: str, fmt: str, img_size: int, n_batches: int, batch_size: int = 32) -> list:
+    """The first ``n_batches`` validation batches (eval transform), kept in memory for every analysis."""
+    from ..config import DataConfig
+    from ..data import LoaderSpec, build_loader
+
+    d = DataConfig(format=fmt, train_path=data, val_path=data, num_workers=0)
+    loader = build_loader(d, LoaderSpec("val", img_size, batch_size))
+    batches = []
+    for x, y in loader.epoch(0):
+        batches.append((x, y))
+        if len(batches) >= n_batches:
+            break
+    return batches
 
 
 @contextlib.contextmanager
@@ -40,12 +56,12 @@ def masked(model: ConViT, pos_embed: bool = False, content_layers: int = 0, posi
 
 @torch.no_grad()
 def accuracy(model: ConViT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Top-1 in percent over ``batches`` (the counter training's evaluation uses)."""
     model.eval()
-    correct = total = 0
+    counts = torch.zeros(4, dtype=torch.float64)
     for x, y in batches:
-        correct += (model(x).argmax(1) == y).sum().item()
-        total += len(y)
-    return 100.0 * correct / max(total, 1)
+        counts += topk_counts(model(x), y).cpu()
+    return summarize(counts)["top1"]
 
 
 def masking_table(model: ConViT, batches) -> dict:

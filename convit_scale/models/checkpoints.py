@@ -111,3 +111,24 @@ def load_pretrained(model: ConViT, source: str | Path | dict[str, torch.Tensor])
     check_state_dict(sd, model, what)
     model.load_state_dict(sd, strict=True)
     return model
+
+
+def load_timm_model(name: str, path: str | Path, num_classes: int | None = None, what: str | None = None,
+                    name_key: str = "model") -> torch.nn.Module:
+    """A timm architecture (e.g. a distillation teacher) with its weights from a local file, strictly.
+
+    Created with ``pretrained=False`` (nothing is downloaded), the file read without executing pickled code
+    (:func:`read_state_dict`), checked key by key (:func:`check_state_dict`, ``what`` names the file in the
+    error) and loaded with ``strict=True``. ``name_key`` names the setting in the error for an unknown name.
+    """
+    import timm
+
+    kwargs = {} if num_classes is None else {"num_classes": num_classes}
+    try:
+        model = timm.create_model(name, pretrained=False, **kwargs)
+    except RuntimeError as e:  # timm: unknown model
+        raise ValueError(f"{name_key} = {name!r}: {e}") from e
+    state = read_state_dict(path)
+    check_state_dict(state, model, what or str(path))
+    model.load_state_dict(state, strict=True)
+    return model

@@ -12,21 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, DistillConfig
-from ..models.checkpoints import check_state_dict, read_state_dict
+from ..models.checkpoints import load_timm_model
 
 
 def build_teacher(cfg: Config) -> nn.Module:
     """The teacher with its weights, on CPU, checked key by key (raises with the list of keys)."""
-    import timm
-
-    path = cfg.distill.teacher_checkpoint
-    try:
-        teacher = timm.create_model(cfg.distill.teacher_model, pretrained=False, num_classes=cfg.model.num_classes)
-    except RuntimeError as e:  # timm: unknown model
-        raise ValueError(f"distill.teacher_model = {cfg.distill.teacher_model!r}: {e}") from e
-    state = read_state_dict(path)
-    check_state_dict(state, teacher, f"distill.teacher_checkpoint {path}")
-    teacher.load_state_dict(state)
+    d = cfg.distill
+    teacher = load_timm_model(d.teacher_model, d.teacher_checkpoint, num_classes=cfg.model.num_classes,
+                              what=f"distill.teacher_checkpoint {d.teacher_checkpoint}",
+                              name_key="distill.teacher_model")
     teacher.eval().requires_grad_(False)
     return teacher
 

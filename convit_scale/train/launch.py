@@ -88,7 +88,7 @@ def _launch_rank() -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError, find_recipe, load_config
     from ..data import DataError
     from ..models.checkpoints import CheckpointMismatch
     from .distributed import check_launcher_env
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(find_recipe(args.recipe), args.overrides)
         check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
         if not args.no_preflight and _launch_rank() == 0:  # before the process group: the other ranks
             preflight(cfg)                                  # wait at the rendezvous and are stopped with it

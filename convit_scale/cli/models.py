@@ -1,21 +1,11 @@
-"""The ``convit-scale`` command: config, models, prep, train, eval, export, analyze, bench, demo."""
+"""``convit-scale models``: every model's heads, width, parameters and GMACs beside the paper's Table 1."""
 
 from __future__ import annotations
-
-import argparse
-import sys
-
-
-def _cmd_config(args) -> int:
-    from .config import load_config
-
-    print(load_config(args.recipe, args.overrides).to_yaml(), end="")
-    return 0
 
 
 def model_table_rows() -> list[dict]:
     """Heads, width, parameters and GMACs counted from the modules (meta device), beside Table 1."""
-    from .models import MODELS, create_model, forward_flops
+    from ..models import MODELS, create_model, forward_flops
 
     rows = []
     for name, spec in MODELS.items():
@@ -47,34 +37,6 @@ def _cmd_models(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="convit-scale", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("config", help="print the resolved config of a recipe")
-    p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=4e-4")
-    p.set_defaults(func=_cmd_config)
-
+def register(sub) -> None:
     p = sub.add_parser("models", help="table of every model: heads, width, params, GMACs vs the paper")
     p.set_defaults(func=_cmd_models)
-
-    from . import commands
-
-    commands.add_subcommands(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
-
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

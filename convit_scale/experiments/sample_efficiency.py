@@ -8,17 +8,16 @@ from pathlib import Path
 
 from ..metrics import read_records
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu" / "sample_efficiency.yaml"
-
-
 def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float, models: list[str],
                           nproc: int = 1, train_per_class: int = 1000, val_per_class: int = 200) -> dict:
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
-    from ..config import load_config
+    from ..analysis.plots import sample_efficiency
+    from ..config import load_config, recipe_path
     from ..train.launch import run_recipe
-    from .plots import sample_efficiency
+
+    recipe = recipe_path("cpu/sample_efficiency.yaml")
 
     out = out.resolve()
     tree = build_tree(out / "data" / "tree", {"train": train_per_class, "val": val_per_class})
@@ -31,10 +30,10 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
             overrides = [f"model.name={model}", f"data.train_path={data}", f"data.val_path={data}",
                          f"data.subset_fraction={f}", f"schedule.epochs={max(1, round(base_epochs / f))}",
                          f"run.output_dir={run}", "run.eval_every_epochs=1000"]
-            load_config(RECIPE, overrides)
+            load_config(recipe, overrides)
             ends = _ends(run)
             if not ends:
-                rc = run_recipe(RECIPE, overrides, nproc, in_process=True)
+                rc = run_recipe(recipe, overrides, nproc, in_process=True)
                 if rc != 0:
                     raise SystemExit(f"error: training {run} exited with status {rc}")
                 ends = _ends(run)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .metrics import read_records
-
-REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+from ..metrics import read_records
 
 
 def _finished(run_dir: Path) -> dict | None:
@@ -56,11 +54,10 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
-    from .analysis.cli import eval_batches
-    from .analysis.report import analyze
-    from .config import load_config
-    from .train.launch import run_recipe
-    from .train.export import load_trained_model
+    from ..analysis.report import analyze, eval_batches
+    from ..config import load_config, recipe_path
+    from ..train.export import load_trained_model
+    from ..train.launch import run_recipe
 
     console = Console()
     out = out.resolve()
@@ -72,7 +69,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
                  f"parallel.strategy={strategy}", f"run.output_dir={run_dir}", *(extra or [])]
     if epochs is not None:
         overrides.append(f"schedule.epochs={epochs}")
-    recipe = str(REPO_RECIPES / "cpu" / "demo.yaml")
+    recipe = str(recipe_path("cpu/demo.yaml"))
     load_config(recipe, overrides)  # refuse a bad option before any work starts
 
     console.rule("1/3 data: Fashion-MNIST -> ImageFolder tree -> WebDataset shards and FFCV")
@@ -101,27 +98,3 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     seconds["analysis"] = time.time() - t2
     console.print(_summary_table(run_dir, out, end, result["files"], seconds))
     return {"end": end, "analysis": result, "run_dir": str(run_dir)}
-
-
-def _cmd_demo(args) -> int:
-    import torch
-
-    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    run_demo(Path(args.out), loader=args.loader, strategy=args.strategy, nproc=nproc, epochs=args.epochs,
-             train_per_class=args.train_per_class, val_per_class=args.val_per_class, extra=args.overrides)
-    return 0
-
-
-def add_subcommand(sub) -> None:
-    p = sub.add_parser("demo", help="the whole pipeline on the embedded Fashion-MNIST (what `make demo` runs)")
-    p.add_argument("--out", default="runs/demo", help="folder for data, run, checkpoints and plots")
-    p.add_argument("--loader", default="wds", choices=["wds", "ffcv", "imagefolder"], help="data loader")
-    p.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "ddp", "zero1", "zero2", "zero3"])
-    p.add_argument("--nproc", type=int, default=None,
-                   help="training processes (default: every GPU where present, else 2 CPU processes)")
-    p.add_argument("--epochs", type=int, help="override the demo recipe's epochs")
-    p.add_argument("--train-per-class", type=int, default=1000, help="Fashion-MNIST train images per class")
-    p.add_argument("--val-per-class", type=int, default=200, help="Fashion-MNIST val images per class")
-    p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. schedule.epochs=2")
-    p.set_defaults(func=_cmd_demo)
-

@@ -1,0 +1,69 @@
+"""The ``convit-scale`` command: config, models, prep, train, eval, export, analyze, bench, demo, experiment,
+plan. One module per command registers its arguments and its handler.
+
+Bad input has one contract for every command: a refused value or an expected failure (a recipe key, missing
+data, a checkpoint that does not match, a number out of range) prints one line ``error: <message>`` on stderr
+and exits with status 2, checked before any work starts. Only a bug shows a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import analyze, bench, config, evaluate, experiment, export, models, plan, prep, train
+from .models import model_table_rows
+
+COMMANDS = (config, models, prep, train, evaluate, export, analyze, bench, experiment, plan)
+"""Each module's ``register(sub)`` adds its sub-command(s), in the order of ``convit-scale --help``."""
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """A command line argparse refuses (unknown flag, value out of range)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage and exits; here a refused argument is one `error:` line like every other
+    # expected failure (sub-command parsers are made with the parent's class, so this covers them too).
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="convit-scale", description="Train and analyse ConViT and DeiT on ImageNet at cluster scale. "
+                     "Bad input is one `error:` line and exit status 2, before any work starts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures that bad input causes: reported as one line, never as a traceback."""
+    from data_prep import PrepError
+
+    from ..config import ConfigError
+    from ..data import DataError
+    from ..models.checkpoints import CheckpointMismatch
+
+    return (UsageError, ConfigError, DataError, PrepError, CheckpointMismatch, FileNotFoundError, ValueError)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except Exception as e:
+        if not isinstance(e, expected_errors()):
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+__all__ = ["main", "build_parser", "model_table_rows", "COMMANDS", "EXIT_BAD_INPUT"]

@@ -1,0 +1,20 @@
+"""``convit-scale export``: one consolidated safetensors file from a (sharded) run checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _cmd_export(args) -> int:
+    from ..train.export import export
+
+    out = export(Path(args.checkpoint), Path(args.out))
+    print(f"wrote {out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="one consolidated safetensors file from a (sharded) run checkpoint")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint dir (runs/X/checkpoints/step_...)")
+    p.add_argument("--out", required=True, help="output .safetensors path")
+    p.set_defaults(func=_cmd_export)

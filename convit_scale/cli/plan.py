@@ -1,0 +1,47 @@
+"""``convit-scale plan``: memory per GPU, micro-batch, step time and GPU-hours per strategy for a recipe
+(the model of memory and time is convit_scale/planner.py)."""
+
+from __future__ import annotations
+
+from .argtypes import fraction, positive_int, recipe
+
+
+def _cmd_plan(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..config import load_config
+    from ..planner import plan
+
+    cfg = load_config(args.recipe, args.overrides)
+    rows = plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
+    world = args.nodes * args.gpus_per_node
+    t = Table(title=f"{cfg.model.name} on {args.nodes} x {args.gpus_per_node} {args.gpu}, global batch "
+                    f"{cfg.data.global_batch_size}, {cfg.parallel.precision}, MFU {args.mfu:.0%} (estimates)")
+    for col in ("strategy", "params", "grads", "optim", "activations", "total GiB/GPU", "max micro", "micro x accum",
+                "step (s)", "GPU-hours", "wall-clock (h)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["strategy"], f"{r['params_gib']:.2f}", f"{r['grads_gib']:.2f}", f"{r['optimizer_gib']:.2f}",
+                  "-" if r["activations_gib"] is None else f"{r['activations_gib']:.2f}", f"{r['total_gib']:.2f}",
+                  str(r["max_micro_batch"]),
+                  "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}",
+                  f"{r['step_s']:.3f}", f"{r['gpu_hours']:.0f}", f"{r['wall_clock_h']:.1f}")
+    Console().print(t)
+    if cfg.data.global_batch_size % world:
+        print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
+    return 0
+
+
+def register(sub) -> None:
+    from ..planner import GPUS
+
+    p = sub.add_parser("plan", help="memory per GPU, micro-batch, step time and GPU-hours for a recipe")
+    p.add_argument("--recipe", required=True, type=recipe,
+                   help="a recipe file or a shipped recipe's name (recipes/table1/convit_base.yaml)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes (>= 1)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (>= 1)")
+    p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
+    p.add_argument("--mfu", type=fraction, default=0.4, help="assumed model FLOPs utilisation, in (0, 1]")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.global_batch_size=2048")
+    p.set_defaults(func=_cmd_plan)

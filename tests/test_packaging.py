@@ -1,0 +1,36 @@
+"""The wheel: every package of the tree and every shipped recipe, found with no repository around it."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+from conftest import PY, REPO
+
+
+def test_wheel_ships_every_package_and_recipe(tmp_path):
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("convit_scale", "data_prep", "recipes"):
+        shutil.copytree(REPO / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "tmp"),
+                    str(src)], check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "tmp").glob("convit_scale-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    recipes = sorted(p.relative_to(REPO / "recipes").as_posix() for p in (REPO / "recipes").rglob("*.yaml"))
+    assert "cpu/demo.yaml" in recipes and "table1/convit_small.yaml" in recipes
+    assert [r for r in recipes if f"convit_scale/recipes/{r}" not in names] == []
+    packages = sorted(p.parent.relative_to(REPO).as_posix() for name in ("convit_scale", "data_prep")
+                      for p in (REPO / name).rglob("__init__.py"))
+    assert [p for p in packages if f"{p}/__init__.py" not in names] == [], "add the package to pyproject.toml"
+    assert "convit_scale/cli/__main__.py" in names
+    # unpacked, the package finds its shipped recipes with no repository around it
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = "from convit_scale.config import recipe_path; print(recipe_path('recipes/cpu/demo.yaml'))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == str(site / "convit_scale" / "recipes" / "cpu" / "demo.yaml")
