@@ -43,17 +43,44 @@ def preflight(cfg) -> None:
         build_teacher(cfg)
 
 
-def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, quiet: bool = False) -> int:
+def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, quiet: bool = False,
+                    marker: Path | None = None) -> int:
     """Start ``nproc`` local ranks of ``python -m convit_scale.train TRAIN_ARGS`` with torchrun (static
-    rendezvous on a free port)."""
+    rendezvous on a free port) and wait for them.
+
+    torchrun runs in a session of its own, and this process passes each SIGTERM/SIGUSR1 on to it once, as SIGTERM
+    (which every torch release forwards to its ranks): a signal sent to this process alone or to its whole process
+    group (Slurm, ``kill -TERM -- -PGID``) reaches every rank exactly once, and the ranks finish their step and
+    save. torchrun's own exit status after such a stop is not 75, so a requeue marker written during this run
+    (``marker``, removed before the start) turns it into ``EXIT_REQUEUE``."""
+    import signal
+    import time
+
     from .distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "convit_scale.train",
            *train_args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PET_SHUTDOWN_TIMEOUT": os.environ.get("STOP_GRACE_S", "300"), **(env or {})}
+    if marker is not None:
+        marker.unlink(missing_ok=True)
     out = subprocess.DEVNULL if quiet else None
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                     **(env or {})}, stdout=out, stderr=out)
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
+    forward = {s: signal.signal(s, lambda signum, frame: proc.send_signal(
+        signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)) for s in (signal.SIGTERM, signal.SIGUSR1,
+                                                                                 signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in forward.items():
+            signal.signal(s, handler)
+    if rc != 0 and marker is not None and marker.is_file() and marker.stat().st_mtime >= started - 1:
+        from .engine import EXIT_REQUEUE
+
+        return EXIT_REQUEUE
+    return rc
 
 
 def run_recipe(recipe: str | Path, overrides: list[str], nproc: int = 1, env: dict | None = None,
@@ -65,14 +92,15 @@ def run_recipe(recipe: str | Path, overrides: list[str], nproc: int = 1, env: di
     its own state. ``checked``: the caller has already run :func:`preflight` on this recipe."""
     if nproc < 1:
         raise ValueError(f"nproc = {nproc}: the number of local processes must be at least 1")
+    args = (["--no-preflight"] if checked else []) + ["--recipe", str(recipe), *overrides]
     if nproc > 1:  # what needs the world size is refused here, before torchrun starts any rank
         from ..config import load_config
         from .distributed import check_world
 
-        check_world(load_config(recipe, overrides), nproc)
-    args = (["--no-preflight"] if checked else []) + ["--recipe", str(recipe), *overrides]
-    if nproc > 1:
-        return launch_torchrun(args, nproc, env=env, quiet=quiet)
+        cfg = load_config(recipe, overrides)
+        check_world(cfg, nproc)
+        return launch_torchrun(args, nproc, env=env, quiet=quiet,
+                               marker=Path(cfg.run.output_dir) / "STOPPED_FOR_REQUEUE")
     if in_process and not env:
         return main(args)
     out = subprocess.DEVNULL if quiet else None
