@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup apt-deps test demo clean
+.PHONY: setup apt-deps test demo gpu-test clean
 
 setup: apt-deps $(STAMP)
 
@@ -38,6 +38,25 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# GPU acceptance: the first thing to run on a GPU machine (tests/test_gpu.py, about 8 minutes on one H200). It uses
+# the Python that already has the CUDA build of torch (GPU_PYTHON) and the checkout itself (PYTHONPATH), installs
+# only the packages that are missing, from the wheels in WHEELS when given (a box without network), and skips the
+# FFCV checks with the reason where FFCV is not installed. Results (JSON) go to GPU_TEST_OUT.
+GPU_PYTHON ?= python3
+WHEELS ?=
+GPU_TEST_OUT ?= runs/gpu-test
+GPU_MODULES := deepspeed:deepspeed webdataset:webdataset timm:timm safetensors:safetensors rich:rich yaml:pyyaml \
+	matplotlib:matplotlib accelerate:accelerate psutil:psutil pytest:pytest pytest_timeout:pytest-timeout PIL:pillow
+gpu-test:
+	@$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+	  echo "error: $(GPU_PYTHON) sees no CUDA device (torch.cuda.is_available() is False); set GPU_PYTHON to the Python with the CUDA torch"; exit 1; }
+	@missing=""; for pair in $(GPU_MODULES); do mod=$${pair%%:*}; pkg=$${pair##*:}; \
+	  $(GPU_PYTHON) -c "import $$mod" 2>/dev/null || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then echo "Installing:$$missing"; \
+	  if [ -n "$(WHEELS)" ]; then $(GPU_PYTHON) -m pip install --no-index --find-links "$(WHEELS)" $$missing; \
+	  else $(GPU_PYTHON) -m pip install $$missing; fi || { echo "error: could not install$$missing (put their wheels in a folder and pass WHEELS=that/folder)"; exit 1; }; fi
+	GPU_TEST_OUT=$(abspath $(GPU_TEST_OUT)) PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/convit-scale demo $(DEMO_ARGS)
