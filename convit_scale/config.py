@@ -252,6 +252,9 @@ class PaperConfig:
     """Which row (e.g. 'ConViT-S+')."""
     top1: float | None = None
     """The top-1 the paper reports for it."""
+    compare_with: Literal["best_top1", "top1"] = "best_top1"
+    """The run's number to set beside it: the best epoch's top-1 (what DeiT's and ConViT's scripts print as
+    max_accuracy) or the final epoch's; metrics.jsonl and the end of the run carry both."""
 
 
 @dataclass

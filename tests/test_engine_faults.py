@@ -138,3 +138,15 @@ def test_sigterm_to_the_process_group_with_workers_saves_and_resumes_exactly(fmt
         ref = tiny_recipe(tmp_path / "ref.yaml", fmt, data, tmp_path / "ref", schedule={"max_steps": step + 2}, **kw)
         assert run_cli("train", "--recipe", str(ref), "--nproc-per-node", "2").returncode == 0
         assert [t["loss"] for t in got] == [t["loss"] for t in records(tmp_path / "ref")]
+
+
+def test_best_top1_is_recorded_and_survives_a_resume():
+    from convit_scale.train.state import TrainState
+
+    state = TrainState()
+    assert state.record_eval(0, {"top1": 50.0, "top5": 90.0})["best_top1"] == 50.0
+    assert state.record_eval(1, {"top1": 60.0, "top5": 91.0})["best_epoch"] == 1
+    after = state.record_eval(2, {"top1": 55.0, "top5": 95.0})
+    assert (after["top1"], after["best_top1"], after["best_top5"], after["best_epoch"]) == (55.0, 60.0, 91.0, 1)
+    resumed = TrainState.from_meta(state.to_meta(accum=1, world_size=2), accum=1, world_size=2)
+    assert resumed.record_eval(3, {"top1": 58.0, "top5": 96.0})["best_top1"] == 60.0

@@ -225,3 +225,25 @@ def test_mfu_bench_counts_three_forwards_of_model_flops(tmp_path):
     assert math.isclose(r["train_gflops_per_image"], flops / 1e9)
     assert r["images_per_s"] > 0 and math.isclose(r["achieved_tflops"], r["images_per_s"] * flops / 1e12)
     assert math.isclose(r["mfu"], r["achieved_tflops"] / 2)
+
+
+def test_one_deit_plus_table1_and_table3_row_e_build_the_same_network():
+    from convit_scale.config import RECIPES, load_config, model_options
+
+    built = {}
+    for name in ("table1/deit_small_plus.yaml", "table3/convit_small_plus_e_full.yaml"):
+        cfg = load_config(RECIPES / name)
+        model = create_model(cfg.model.name, device="meta", **model_options(cfg.model))
+        built[name] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    a, b = built.values()
+    assert a == b and not any("qkv.bias" in k for k in a)
+
+
+def test_models_build_under_the_meta_device_context():
+    """FSDP2's idiom `with torch.device("meta"): create_model(...)` builds on meta, as `device="meta"` does."""
+    with torch.device("meta"):
+        model = create_model("convit_nano")
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

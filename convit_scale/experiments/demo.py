@@ -36,6 +36,8 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
     table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST (32x32), {cfg['parallel']['strategy']}, "
                                   f"{cfg['data']['format']} loader, {len(train[-1]['peak_mem_mb'])} process(es)")
     table.add_row("top-1 / top-5 (val)", f"{evals[-1]['top1']:.2f} / {evals[-1]['top5']:.2f}  ({evals[-1]['samples']} images)")
+    if "best_top1" in evals[-1]:
+        table.add_row("best top-1 (epoch)", f"{evals[-1]['best_top1']:.2f} ({evals[-1]['best_epoch']})")
     table.add_row("top-1 per epoch", " ".join(f"{e['top1']:.1f}" for e in evals))
     table.add_row("training images/s", f"{sorted(ips)[len(ips) // 2]:.0f} (median)")
     table.add_row("peak memory per rank (MB)", ", ".join(f"{m:.0f}" for m in train[-1]["peak_mem_mb"]))

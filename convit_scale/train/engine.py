@@ -350,9 +350,11 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
     cfg, results = run.cfg, {}
     if run.val_loader is not None and ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
         results = evaluate(run.strategy, run.val_loader, run.ctx)
+        results = state.record_eval(epoch, results)  # final and best top-1/top-5
         run.metrics.write({"kind": "eval", "step": state.step, "epoch": epoch, **results})
         _log(run.ctx, f"[convit-scale] epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} "
-                      f"top-5 {results['top5']:.2f} ({results['samples']} images)")
+                      f"top-5 {results['top5']:.2f} ({results['samples']} images); best top-1 "
+                      f"{results['best_top1']:.2f} (epoch {results['best_epoch']})")
     stats = _analysis(run.strategy, cfg, run.analysis_images)
     if stats is not None:
         run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})

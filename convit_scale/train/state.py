@@ -17,15 +17,23 @@ class TrainState:
     consecutive_bad: int = 0
     """Bad steps since the last good one: while > 0 the state followed a bad step, and no periodic
     checkpoint is written."""
+    best: dict | None = None
+    """The best evaluation so far: best_top1, best_top5, best_epoch (kept across resumes)."""
+
+    def record_eval(self, epoch: int, results: dict) -> dict:
+        """``results`` with the best top-1/top-5 so far (and its epoch) added."""
+        if self.best is None or results["top1"] > self.best["best_top1"]:
+            self.best = {"best_top1": results["top1"], "best_top5": results["top5"], "best_epoch": epoch}
+        return {**results, **self.best}
 
     def to_meta(self, accum: int, world_size: int) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "step_in_epoch": self.batch_in_epoch // accum, "world_size": world_size,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "best": self.best}
 
     @classmethod
     def from_meta(cls, meta: dict, accum: int, world_size: int) -> "TrainState":
         # The same world size continues at the same micro-batch; another one at the same optimizer step.
         same_world = meta["world_size"] == world_size
-        return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0),
+        return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0), best=meta.get("best"),
                    batch_in_epoch=meta["batch_in_epoch"] if same_world else meta["step_in_epoch"] * accum)
