@@ -202,6 +202,9 @@ class DistillConfig:
     """Weight of the distillation term."""
     tau: float = 1.0
     """Temperature of soft distillation."""
+    teacher_min_top1: float | None = None
+    """Evaluate the teacher on up to 1,000 validation images at start-up and refuse to train below this top-1
+    (a wrong or weaker teacher file would silently move every Table 4 row); None = no check."""
 
 
 @dataclass
@@ -537,6 +540,8 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("distill.alpha", dist.alpha, "must be in [0, 1]")
     if dist.tau <= 0:
         fail("distill.tau", dist.tau, "must be > 0")
+    if dist.teacher_min_top1 is not None and not 0.0 <= dist.teacher_min_top1 <= 100.0:
+        fail("distill.teacher_min_top1", dist.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
     if m.distill_token and not dist.enabled:
         fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
     if cfg.checkpoint.keep_last < 1:

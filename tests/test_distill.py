@@ -175,3 +175,40 @@ def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, tmp_
     t_pred = _predictions(teacher.eval(), batches)
     agree = {k: (_predictions(m, batches) == t_pred).float().mean().item() for k, m in students.items()}
     assert agree["soft"] > agree["plain"] + 0.1, agree
+
+
+def _random_teacher(path):
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    teacher = timm.create_model(TEACHER, num_classes=10)
+    save_file({k: v.contiguous() for k, v in teacher.state_dict().items()}, str(path))
+    return path
+
+
+def test_teacher_with_a_wrong_hash_prefix_is_refused(fm_wds, tmp_path):
+    from convit_scale.cli import main
+
+    teacher = _random_teacher(tmp_path / "regnety_002-deadbeef.safetensors")
+    sha = hashlib.sha256(teacher.read_bytes()).hexdigest()
+    r = _recipe(tmp_path, "bad_hash", fm_wds, teacher, "fsdp2")
+    assert main(["train", "--recipe", str(r)]) == 2
+    assert not (tmp_path / "bad_hash").exists()
+    good = teacher.rename(tmp_path / f"regnety_002-{sha[:8]}.safetensors")  # the right prefix loads
+    from convit_scale.config import load_config
+    from convit_scale.train.distill import build_teacher
+
+    build_teacher(load_config(_recipe(tmp_path, "good_hash", fm_wds, good, "fsdp2")))
+
+
+@pytest.mark.slow
+def test_teacher_below_min_top1_is_refused_before_training(fm_wds, tmp_path):
+    teacher = _random_teacher(tmp_path / "random.safetensors")
+    r = _recipe(tmp_path, "weak", fm_wds, teacher, "fsdp2")
+    res = run_cli("train", "--recipe", str(r), "distill.teacher_min_top1=50")
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "random.safetensors" in errors[0] and "teacher_min_top1 = 50" in errors[0]
+    assert "teacher" in res.stdout and "validation images" in res.stdout
+    assert records(tmp_path / "weak") == []  # not one training step

@@ -7,6 +7,11 @@ the student's checkpoint. Its weights come from a local file, checked key by key
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import re
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +20,38 @@ from ..config import Config, DistillConfig
 from ..models.checkpoints import load_timm_model
 
 
+HUB_NAME = re.compile(r"^.+-([0-9a-f]{8,64})\.(?:pth|pt|bin|safetensors)$")
+"""torch.hub's naming of published weights: the file name ends with a prefix of its SHA-256 (DeiT's teacher is
+regnety_160-a5fe301d.pth)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime: float) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_hash_prefix(path: str | Path) -> None:
+    """A file named like torch.hub's published weights must match the SHA-256 prefix in its name."""
+    path = Path(path)
+    match = HUB_NAME.match(path.name)
+    if match is None or not path.is_file():
+        return
+    st = path.stat()
+    digest = _sha256(str(path), st.st_size, st.st_mtime)
+    if not digest.startswith(match.group(1)):
+        raise ValueError(f"distill.teacher_checkpoint {path}: its SHA-256 starts with {digest[:len(match.group(1))]}, "
+                         f"not {match.group(1)} as its name says: the file is corrupt or another one; download it again")
+
+
 def build_teacher(cfg: Config) -> nn.Module:
-    """The teacher with its weights, on CPU, checked key by key (raises with the list of keys)."""
+    """The teacher with its weights, on CPU, checked key by key (raises with the list of keys) and against the
+    SHA-256 prefix its name carries."""
     d = cfg.distill
+    check_hash_prefix(d.teacher_checkpoint)
     teacher = load_timm_model(d.teacher_model, d.teacher_checkpoint, num_classes=cfg.model.num_classes,
                               what=f"distill.teacher_checkpoint {d.teacher_checkpoint}",
                               name_key="distill.teacher_model")
@@ -60,3 +94,16 @@ class DistillLoss:
             dist = F.kl_div(F.log_softmax(dist_logits / tau, dim=1), F.log_softmax(t / tau, dim=1),
                             reduction="sum", log_target=True) * (tau * tau) / dist_logits.numel()
         return (1 - self.d.alpha) * base + self.d.alpha * dist
+
+
+class TeacherForward:
+    """The teacher behind the ``forward``/``train`` interface that ``engine.evaluate`` calls."""
+
+    def __init__(self, teacher: nn.Module):
+        self.teacher = teacher
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.teacher(x.to(next(self.teacher.parameters()).dtype))
+
+    def train(self, mode: bool = True) -> None:
+        self.teacher.eval()  # never in train mode

@@ -138,6 +138,27 @@ def _criterion(cfg: Config, device: torch.device):
     return DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision), teacher
 
 
+def check_teacher(run: Run, images: int = 1000) -> None:
+    """``distill.teacher_min_top1``: the teacher's top-1 on up to ``images`` validation images, sharded over the
+    ranks on the training device, before any training step."""
+    from .distill import TeacherForward
+
+    d, loader = run.cfg.distill, run.val_loader
+    if d.teacher_min_top1 is None or run.teacher is None:
+        return
+    if loader is None:
+        raise ValueError("distill.teacher_min_top1 needs validation data (data.val_path) to evaluate the teacher")
+    per_rank = math.ceil(images / (run.ctx.world_size * run.cfg.data.eval_batch_size))
+    found = evaluate(TeacherForward(run.teacher), loader, run.ctx, max_batches=per_rank)
+    _log(run.ctx, f"[convit-scale] teacher {d.teacher_checkpoint}: top-1 {found['top1']:.2f} on {found['samples']} "
+                  f"validation images (distill.teacher_min_top1 = {d.teacher_min_top1:g})")
+    if found["top1"] < d.teacher_min_top1:
+        raise ValueError(f"distill.teacher_checkpoint {d.teacher_checkpoint}: the teacher reaches {found['top1']:.2f}% "
+                         f"top-1 on {found['samples']} validation images, below distill.teacher_min_top1 = "
+                         f"{d.teacher_min_top1:g}: wrong file or wrong architecture (Table 4 uses DeiT's "
+                         f"regnety_160-a5fe301d.pth, 82.9%)")
+
+
 def _loaders(cfg: Config, ctx: DistContext, micro: int):
     img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
     pin = ctx.device.type == "cuda"
@@ -203,6 +224,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
               criterion, build_mixup(cfg.data, cfg.model.num_classes),
               MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher)
+    check_teacher(run)
     run.memory = {"base_mem_mb": base_mem, "setup_peak_mem_mb": round(peak_memory_mb(ctx.device), 1),
                   "state_mem_mb": None}
     reset_peak_memory(ctx.device)
