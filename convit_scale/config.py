@@ -227,6 +227,9 @@ class LogConfig:
     """Rich progress bar on rank 0."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
+    analysis_images: int = 1024
+    """Validation images of the per-epoch gating/nonlocality analysis (sharded over the ranks, on the training
+    device; the paper uses 1,024); 0 turns the analysis off."""
     debug_memory: bool = False
     """Record `state_mem_mb` once: memory of the live tensors after backward (walks every tensor on CPU)."""
     debug_digest: bool = False
@@ -540,6 +543,8 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("distill.alpha", dist.alpha, "must be in [0, 1]")
     if dist.tau <= 0:
         fail("distill.tau", dist.tau, "must be > 0")
+    if cfg.log.analysis_images < 0:
+        fail("log.analysis_images", cfg.log.analysis_images, "must be >= 0 (0 turns the analysis off)")
     if dist.teacher_min_top1 is not None and not 0.0 <= dist.teacher_min_top1 <= 100.0:
         fail("distill.teacher_min_top1", dist.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
     if m.distill_token and not dist.enabled:

@@ -150,3 +150,20 @@ def test_best_top1_is_recorded_and_survives_a_resume():
     assert (after["top1"], after["best_top1"], after["best_top5"], after["best_epoch"]) == (55.0, 60.0, 91.0, 1)
     resumed = TrainState.from_meta(state.to_meta(accum=1, world_size=2), accum=1, world_size=2)
     assert resumed.record_eval(3, {"top1": 58.0, "top5": 96.0})["best_top1"] == 60.0
+
+
+@pytest.mark.slow
+def test_sharded_epoch_analysis_on_two_ranks_equals_one_rank(fm_tree, tmp_path):
+    """Gating and nonlocality of the epoch: each rank measures its share of the validation images on its own
+    device; the reduced result equals the one-process computation on the same weights."""
+    got = {}
+    for name, strategy, nproc in (("one", "none", "1"), ("two", "ddp", "2")):
+        r = tiny_recipe(tmp_path / f"{name}.yaml", "imagefolder", fm_tree, tmp_path / name, model=EXACT,
+                        data=NO_MIX, parallel={"strategy": strategy}, schedule={"max_steps": 3})
+        res = run_cli("train", "--recipe", str(r), "--nproc-per-node", nproc)
+        assert res.returncode == 0, res.stderr[-3000:]
+        (got[name],) = records(tmp_path / name, "analysis")
+    one, two = got["one"], got["two"]
+    assert one["analysis_images"] == two["analysis_images"] == 200  # the whole (small) validation split
+    assert len(one["nonlocality"]) == 3 and all(abs(a - b) < 1e-4 for a, b in zip(one["nonlocality"], two["nonlocality"]))
+    assert all(abs(a - b) < 1e-5 for la, lb in zip(one["gating"], two["gating"]) for a, b in zip(la, lb))

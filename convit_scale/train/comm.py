@@ -64,6 +64,17 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Rank ``src``'s values of ``tensors`` into every rank's (same shapes), through the communication device."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for t in tensors:
+        moved = t.to(_device)
+        dist.broadcast(moved, src=src)
+        if moved is not t:
+            t.copy_(moved)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

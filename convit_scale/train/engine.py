@@ -92,7 +92,6 @@ class Run:
     faults: Faults | None = None
     teacher: torch.nn.Module | None = None
     memory: dict = field(default_factory=dict)  # base / set-up peak / model state, MB
-    analysis_images: torch.Tensor | None = None
     final: dict = field(default_factory=dict)
     clock: list = field(default_factory=lambda: [time.time(), 0])  # last log time, images since
 
@@ -230,9 +229,6 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     reset_peak_memory(ctx.device)
     if teacher is not None and cfg.log.debug_digest:
         run.memory["teacher_checksum_start"] = checksum(teacher)
-    if ctx.is_main and val_loader is not None:
-        with contextlib.closing(_closing_iter(val_loader.epoch(0))) as it:
-            run.analysis_images = next(it).images[:16].clone()
     return run, state
 
 
@@ -355,16 +351,40 @@ def evaluate(strategy, loader, ctx: DistContext, max_batches: int | None = None)
     return summarize(comm.all_reduce(counts))
 
 
-def _analysis(strategy, cfg: Config, images: torch.Tensor | None) -> dict | None:
-    """Gating per layer/head and nonlocality per layer, from a full copy on rank 0."""
-    from ..analysis.metrics import gating, nonlocality
+@torch.no_grad()
+def _analysis(run: Run) -> dict | None:
+    """Gating per GPSA layer and head, and nonlocality per layer on up to ``log.analysis_images`` validation images:
+    each rank takes its share of its own validation images on its device with a full copy of the weights, and one
+    reduction adds the sums up. Returned on rank 0."""
+    from ..analysis.metrics import attention_maps, gating, nonlocality_of
 
-    state = strategy.full_state_dict()  # collective
-    if state is None or images is None:
+    cfg, ctx, loader = run.cfg, run.ctx, run.val_loader
+    if loader is None or cfg.log.analysis_images == 0:
         return None
-    plain = create_model(cfg.model.name, **{**model_options(cfg.model), "drop_path_rate": 0.0})
-    plain.load_state_dict(state)
-    return {"gating": gating(plain), "nonlocality": nonlocality(plain, images)}
+    plain = create_model(cfg.model.name, device=ctx.device, **{**model_options(cfg.model), "drop_path_rate": 0.0})
+    state = run.strategy.full_state_dict()  # collective; rank 0 holds it
+    if ctx.is_main:
+        plain.load_state_dict(state)
+    comm.broadcast_tensors(list(plain.state_dict().values()))
+    share = math.ceil(cfg.log.analysis_images / ctx.world_size)
+    sums = torch.zeros(len(plain.blocks) + 1, dtype=torch.float64, device=ctx.device)  # per layer, then images
+    seen = taken = 0
+    with contextlib.closing(_closing_iter(loader.epoch(0))) as batches:
+        for x, _ in batches:
+            n = min(len(x), loader.num_real - seen, share - taken)  # real images of this rank's share
+            seen, taken = seen + len(x), taken + max(n, 0)
+            if n <= 0:
+                break
+            for i in range(0, n, 32):  # (B, H, L, L) maps per layer: a few at a time
+                chunk = x[i:min(n, i + 32)].to(ctx.device, non_blocking=True)
+                maps = attention_maps(plain, chunk)
+                sums[:-1] += torch.stack([nonlocality_of(a, plain.grid_size).mean() for a in maps]).double() * len(chunk)
+                sums[-1] += len(chunk)
+    total = comm.all_reduce(sums).tolist()
+    if not ctx.is_main:
+        return None
+    return {"gating": gating(plain), "nonlocality": [v / max(total[-1], 1) for v in total[:-1]],
+            "analysis_images": int(total[-1])}
 
 
 def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
@@ -377,7 +397,7 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
         _log(run.ctx, f"[convit-scale] epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} "
                       f"top-5 {results['top5']:.2f} ({results['samples']} images); best top-1 "
                       f"{results['best_top1']:.2f} (epoch {results['best_epoch']})")
-    stats = _analysis(run.strategy, cfg, run.analysis_images)
+    stats = _analysis(run)
     if stats is not None:
         run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
     run.final.update(results)
