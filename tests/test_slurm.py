@@ -107,6 +107,25 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     assert meta["reason"] == "end"
 
 
+def test_sigterm_to_a_job_whose_ranks_have_loader_workers_saves_requeues_and_resumes(slurm, fm_tree, tmp_path):
+    """Preemption and scancel send SIGTERM to every process of the step, the DataLoader workers included: they
+    ignore it, their rank finishes its step and saves, and the job requeues and finishes without losing a step."""
+    out = tmp_path / "run"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"num_workers": 2},
+                         schedule={"epochs": 20, "max_steps": 40})
+    log = tmp_path / "job.out"
+    job = slurm.sbatch("--nodes=1", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
+                       env=_env(recipe, out, fm_tree), cwd=REPO)
+    _wait(lambda: len(records(out)) >= 3, "training steps", log, 240)
+    slurm.run("scancel", "--signal=TERM", str(job))
+    _wait(lambda: records(out, "stopped"), "stop record", log, 120)
+    info = slurm.wait_job(job, timeout=600)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", text[-4000:]
+    assert "killed by signal" not in text, text[-4000:]  # no DataLoader worker died of the signal
+    assert [r["step"] for r in records(out)] == list(range(1, 41))
+
+
 def test_stale_marker_does_not_requeue_a_job_that_fails_at_start_up(slurm, fm_tree, tmp_path):
     """A marker left by an earlier stop must not requeue a run whose training never got going (before the
     fix: requeued without end). srun per GPU: each rank gets the job's --cpus-per-task as OpenMP threads."""
