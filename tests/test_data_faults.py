@@ -5,6 +5,7 @@ import io
 import shutil
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +150,43 @@ def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, t
     assert res.returncode == 0, res.stderr[-3000:]
     logged = [{k: v for k, v in rec.items() if k != "kind"} for rec in records(tmp_path / "out", "bad_sample")]
     assert logged == expected
+
+
+def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv, tmp_path):
+    """ffcv's decoders ignore turbojpeg's status (a corrupt JPEG becomes stale pixels); ours replace the view by the
+    next one of the batch that decodes, with that view's label, and list it. Everything else is unchanged."""
+    import dataclasses
+
+    from ffcv.reader import Reader
+
+    from convit_scale.data.ffcv import FILE_INDEX
+
+    path = tmp_path / "ffcv"
+    shutil.copytree(fm_ffcv, path)
+    beton = next(path.glob("train*.beton"))
+    reader = Reader(str(beton))
+    ptr = int(reader.metadata[f"f{reader.field_names.index('image')}"]["data_ptr"][5])
+    with open(beton, "r+b") as f:  # file 5: its JPEG's start-of-image marker overwritten
+        f.seek(ptr)
+        f.write(b"\0\0\0\0")
+    d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=1, repeated_aug=1)
+    broken = build_loader(d, LoaderSpec("train", 32, 50))
+    clean = build_loader(DataConfig(**{**d.__dict__, "train_path": str(fm_ffcv)}), LoaderSpec("train", 32, 50))
+    got, want = _epoch(broken), _epoch(clean)
+    p = int(np.flatnonzero((broken.views(0) & FILE_INDEX) == 5)[0])
+    k, i = divmod(p, 50)
+    assert [b for _, _, b in got] == [[] for _ in range(k)] + [[{"file": str(beton), "key": 5, "reason":
+                                                                  "undecodable JPEG (turbojpeg refused it)"}]] + \
+        [[] for _ in range(len(got) - k - 1)]
+    for n, ((x0, y0, _), (x1, y1, _)) in enumerate(zip(want, got)):
+        same = torch.ones(len(y0), dtype=torch.bool)
+        same[i] = n != k
+        assert torch.equal(x0[same], x1[same]) and torch.equal(y0[same], y1[same]), n
+    x, y, _ = got[k]
+    assert y[i] == y[(i + 1) % 50] and not torch.equal(x[i], want[k][0][i])  # the next view's label and image
+    again = _epoch(broken, 0, k)  # the same replacement after a resume
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got[k:], again))
+    broken.d = dataclasses.replace(d, max_bad_samples=0)
+    with pytest.raises(DataError, match=rf"^{beton}: 1 unreadable samples in epoch 0 on rank 0, more than "
+                                        r"data.max_bad_samples = 0 \(last: key 5: undecodable JPEG"):
+        _epoch(broken)
