@@ -15,6 +15,19 @@ from convit_scale.data import DataError, LoaderSpec, build_loader
 from convit_scale.models import MODELS
 
 
+@pytest.mark.parametrize("override, allowed", [("data.open_retries=-1", "must be >= 0"),
+                                             ("data.max_bad_samples=-1", "must be >= 0"),
+                                             ("data.open_retry_backoff_s=0.0", "must be > 0")])
+def test_fault_settings_are_validated(override, allowed):
+    from convit_scale.config import ConfigError, load_config
+
+    assert (load_config().data.open_retries, load_config().data.max_bad_samples) == (3, 100)
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^<defaults> \(with overrides {override}\): {key} = {value} is not "
+                                          rf"allowed; {allowed}$"):
+        load_config(None, [override])
+
+
 def _rewrite_shard(path, change) -> None:
     """Rewrite a tar shard with ``change(member_name, payload) -> payload`` applied to every member."""
     with tarfile.open(path) as tar:
