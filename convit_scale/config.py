@@ -120,6 +120,12 @@ class DataConfig:
     """Resize interpolation of RandomResizedCrop and of the eval resize."""
     eval_crop_ratio: float = 0.875
     """Eval: resize to img_size / ratio (256 for 224), then centre-crop img_size."""
+    open_retries: int = 3
+    """WebDataset: reopen a shard that fails to open or to stream this many times, with exponential backoff."""
+    open_retry_backoff_s: float = 1.0
+    """WebDataset: the wait before the first reopen, doubled for each further one (1, 2, 4 s)."""
+    max_bad_samples: int = 100
+    """Unreadable or undecodable samples replaced per epoch and rank before the run stops with a DataError."""
 
 
 @dataclass
@@ -487,6 +493,11 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("data.mixup/cutmix/color_jitter", (d.mixup, d.cutmix, d.color_jitter), "must be >= 0")
     if not 0.0 < d.eval_crop_ratio <= 1.0:
         fail("data.eval_crop_ratio", d.eval_crop_ratio, "must be in (0, 1]")
+    for key in ("open_retries", "max_bad_samples"):
+        if getattr(d, key) < 0:
+            fail(f"data.{key}", getattr(d, key), "must be >= 0")
+    if not d.open_retry_backoff_s > 0:
+        fail("data.open_retry_backoff_s", d.open_retry_backoff_s, "must be > 0")
     if d.rand_augment is not None and not d.rand_augment.startswith("rand"):
         fail("data.rand_augment", d.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
     if o.base_lr <= 0:

@@ -30,6 +30,7 @@ from PIL import Image
 
 from ..config import DataConfig
 from .batch import Batch
+from .faults import limit_bad_samples, next_good
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import view_seeds
 from .private_aug import PrivateAugment
@@ -65,6 +66,7 @@ def subset_indices(location: Path, manifest: dict, split: str, fraction: float) 
 
 ID_BITS = np.uint64(32)  # a view id: the view's seed << 32 | the file index
 FILE_INDEX = np.uint64(2**32 - 1)
+REPLACED = np.uint64(2**63)  # set on a view id by the decoder when the view's JPEG failed to decode (seeds < 2**31)
 
 
 @numba.njit(nogil=True)
@@ -113,7 +115,12 @@ def _flip_in_place(img):  # (H, W, 3) uint8
 class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
     """Decode, RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and horizontal flip in one compiled stage,
     with the parameters drawn from the view's seed (the high bits of the id) rather than numba's
-    unseeded generator."""
+    unseeded generator.
+
+    ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG silently becomes whatever the buffer held
+    (a previous batch's pixels). Here a view whose JPEG fails to decode takes the next view of the batch
+    (cyclically) that decodes, cropped and flipped with its own seed, and its id is marked ``REPLACED`` in place
+    (ffcv passes the traversal order's own memory), where FfcvLoader finds it to fix the label and list it."""
 
     def __init__(self, output_size, flip_prob: float):
         super().__init__(output_size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
@@ -126,18 +133,26 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, temp_storage = my_storage
-            for dst_ix in my_range(len(batch_indices)):
-                view = batch_indices[dst_ix]
-                view_seed = view >> ID_BITS
-                field = metadata[view & FILE_INDEX]
-                image_data = mem_read(field["data_ptr"], storage_state)
-                height, width = np.uint32(field["height"]), np.uint32(field["width"])
-                if field["mode"] == jpg:
-                    temp_buffer = temp_storage[dst_ix]
-                    imdecode_c(image_data, temp_buffer, height, width, height, width, 0, 0, 1, 1, False, False)
-                    temp_buffer = temp_buffer.reshape(-1)[:3 * height * width].reshape(height, width, 3)
-                else:
-                    temp_buffer = image_data.reshape(height, width, 3)
+            n = len(batch_indices)
+            for dst_ix in my_range(n):
+                view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
+                own = metadata[batch_indices[dst_ix] & FILE_INDEX]
+                height, width = np.uint32(own["height"]), np.uint32(own["width"])
+                temp_buffer = temp_storage[dst_ix].reshape(-1)[:3 * height * width].reshape(height, width, 3)
+                for attempt in range(n):  # the view itself, else the next one of the batch that decodes
+                    field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
+                    image_data = mem_read(field["data_ptr"], storage_state)
+                    src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
+                    if field["mode"] != jpg:
+                        height, width, temp_buffer = src_h, src_w, image_data.reshape(src_h, src_w, 3)
+                        break
+                    if imdecode_c(image_data, temp_storage[dst_ix], src_h, src_w, src_h, src_w, 0, 0, 1, 1,
+                                  False, False) == 0:
+                        height, width = src_h, src_w
+                        temp_buffer = temp_storage[dst_ix].reshape(-1)[:3 * height * width].reshape(height, width, 3)
+                        break
+                    if attempt == 0:
+                        batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
                 i, j, h, w = _seeded_crop(height, width, scale, log_ratio, view_seed)
                 resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
                 if _uniform(view_seed, 40) < flip_prob:
@@ -172,7 +187,7 @@ class PrivateTimmStage(Operation):
         augment = self.augment
 
         def run(images, _, indices):  # images: (B, S, S, 3) uint8 from the decoder
-            return torch.stack([augment(Image.fromarray(img), int(view >> ID_BITS))
+            return torch.stack([augment(Image.fromarray(img), int((view & ~REPLACED) >> ID_BITS))
                                 for img, view in zip(images, indices)])
 
         run.with_indices = True
@@ -246,15 +261,33 @@ class FfcvLoader:
     def epoch(self, epoch: int, start_batch: int = 0):
         """Batches ``start_batch``.. of ``epoch``. Closing the generator (or dropping it) stops ffcv's thread."""
         loader = self._ffcv_loader()
-        loader.plan_order = self.views(epoch, start_batch)
+        loader.plan_order = order = self.views(epoch, start_batch)
         it = iter(loader)
         try:
-            for images, labels in it:
-                # ffcv reuses its output buffers: copy what leaves the loader.
-                images, labels = images.clone(), labels.clone().long()
-                yield Batch(images.pin_memory(), labels.pin_memory()) if self.spec.pin_memory else Batch(images, labels)
+            yield from limit_bad_samples(self._batches(it, order), self.d.max_bad_samples, epoch, self.spec.rank)
         finally:
             _shut_down(it)
+
+    def _batches(self, it, order: np.ndarray):
+        first = 0
+        for images, labels in it:
+            # ffcv reuses its output buffers: copy what leaves the loader.
+            images, labels = images.clone(), labels.clone().long()
+            views = order[first:first + len(labels)]  # the decoder marked replaced views before ffcv queued the batch
+            first += len(labels)
+            failed = {int(i) for i in np.flatnonzero(views & REPLACED)}
+            bad = []
+            for i in sorted(failed):  # the decoder took the next view that decodes: so does the label
+                j = next_good(failed, i, len(labels))
+                if j is None:
+                    raise DataError(f"{self._path}: no decodable image in a batch of {len(labels)} (file indices "
+                                    f"{(views[:4] & FILE_INDEX).tolist()}...)")
+                labels[i] = labels[j]
+                bad.append({"file": str(self._path), "key": int(views[i] & FILE_INDEX),
+                            "reason": "undecodable JPEG (turbojpeg refused it)"})
+            if self.spec.pin_memory:
+                images, labels = images.pin_memory(), labels.pin_memory()
+            yield Batch(images, labels, bad=bad)
 
 
 def _shut_down(it) -> None:

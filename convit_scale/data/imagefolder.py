@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..config import DataConfig
 from .batch import Batch
+from .faults import DECODE_ERRORS, limit_bad_samples, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_all
@@ -18,6 +19,9 @@ from .workers import private_generator, worker_init_fn
 class _SeededImages(Dataset):
     """Items are (index, seed): the transform is seeded per sample, so order and resume don't matter."""
 
+    MAX_REPLACEMENTS = 64
+    """Unreadable files in a row before giving up on finding a replacement."""
+
     def __init__(self, samples: list[tuple[str, int]], transform):
         self.samples, self.transform = samples, transform
 
@@ -25,19 +29,27 @@ class _SeededImages(Dataset):
         return len(self.samples)
 
     def __getitem__(self, item):
+        """(image, label, bad): a file that cannot be read or decoded is replaced by the next readable file of
+        the sample list (index + 1, + 2, ...), augmented with the view's own seed, and listed in ``bad``."""
         index, seed = item
-        path, label = self.samples[index]
+        bad = []
+        for j in range(index, index + min(len(self.samples), self.MAX_REPLACEMENTS)):
+            path, label = self.samples[j % len(self.samples)]
+            try:
+                img = Image.open(path).convert("RGB")
+                break
+            except DECODE_ERRORS as e:
+                bad.append({"file": path, "key": Path(path).stem, "reason": f"unreadable image ({reason_of(e)})"})
+        else:
+            raise DataError(f"{self.samples[index][0]}: no readable image in it and the {len(bad) - 1} files after "
+                            f"it; convert with `convit-scale prep` to skip such files")
         seed_all(seed)
-        try:
-            img = Image.open(path).convert("RGB")
-        except OSError as e:
-            raise DataError(f"{path}: unreadable image ({e}); convert with `convit-scale prep` to skip such files") from e
-        return self.transform(img), label
+        return self.transform(img), label, bad
 
 
 def _collate(items) -> Batch:
-    images, labels = default_collate(items)
-    return Batch(images, labels)
+    images, labels = default_collate([(x, y) for x, y, _ in items])
+    return Batch(images, labels, bad=[record for _, _, bad in items for record in bad])
 
 
 def imagefolder_samples(root: Path, split: str, fraction: float) -> list[tuple[str, int]]:
@@ -79,4 +91,4 @@ class MapStyleLoader:
                             num_workers=self.d.num_workers, persistent_workers=False,
                             generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn(),
                             collate_fn=_collate, pin_memory=s.pin_memory)
-        yield from loader
+        yield from limit_bad_samples(loader, self.d.max_bad_samples, epoch, s.rank)

@@ -2,32 +2,33 @@
 
 Shards are read in a per-epoch permuted order; each rank reads its contiguous range of the sample
 sequence through DataLoader workers, and augmentation is seeded per sample, so a resumed epoch is
-bit-identical.
+bit-identical. A shard that fails to open or to stream is reopened with backoff (``data.open_retries``), a
+``pipe:`` command's exit status counting; a sample that cannot be read or decoded is replaced and listed
+(faults.py).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
+import shlex
+import subprocess
 import tarfile
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..config import DataConfig
 from .batch import Batch
+from .faults import DECODE_ERRORS, decode_rgb, limit_bad_samples, next_good, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec, eval_positions
 from .plan import contiguous_range, epoch_permutation, sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_all
 from .workers import private_generator, worker_init_fn
-
-
-def _decode(data: bytes) -> Image.Image:
-    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 def _open(location: str, name: str):
@@ -51,28 +52,137 @@ def read_manifest(location: str) -> dict:
         raise DataError(f"{location}: no readable manifest.json ({e}); convert with `convit-scale prep`") from e
 
 
-def _iter_tar(location: str, name: str):
-    """(key, jpeg bytes, label) of one shard, in order; a truncated shard raises DataError."""
+def shard_url(location: str, name: str) -> str:
+    """The URL or path of shard ``name`` at ``location`` (what errors and ``Batch.bad`` name)."""
+    return location.format(name=name) if "{name}" in location else str(Path(location) / name)
+
+
+class _CommandStream:
+    """The standard output of a shell command (a ``pipe:`` URL, or curl for http(s)), whose exit status and
+    standard error are checked: a command that fails is a failed read even when its output looks complete."""
+
+    def __init__(self, command: str):
+        self.command, self.stderr = command, tempfile.TemporaryFile()  # a file: a chatty command never blocks
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr)
+
+    def read(self, size: int = -1) -> bytes:
+        return self.proc.stdout.read(size)
+
+    def failure(self, wait: bool = False) -> str | None:
+        """"exit status N: <last line of stderr>" once the command has failed, else None."""
+        status = self.proc.wait() if wait else self.proc.poll()
+        if not status:
+            return None
+        self.stderr.seek(0)
+        lines = [line.strip() for line in self.stderr.read()[-2000:].decode(errors="replace").splitlines()]
+        last = next((line for line in reversed(lines) if line), "")
+        return f"exit status {status}" + (f": {last}" if last else "")
+
+    def finish(self) -> None:
+        """At the end of the archive: read what is left, wait, and raise OSError if the command failed."""
+        while self.proc.stdout.read(1 << 16):
+            pass
+        failure = self.failure(wait=True)
+        if failure:
+            raise OSError(failure)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # left early (the range ended inside the shard): not a failure
+            self.proc.kill()
+        self.proc.stdout.close()
+        self.proc.wait()
+        self.stderr.close()
+
+
+def _open_stream(url: str):
+    if url.startswith("pipe:"):
+        return _CommandStream(url[len("pipe:"):])
+    if url.startswith(("http://", "https://")):
+        return _CommandStream(f"curl -fsS -L --connect-timeout 30 {shlex.quote(url)}")
+    if "://" in url:
+        from webdataset.gopen import gopen
+
+        return gopen(url, "rb")
+    return open(url, "rb")
+
+
+def _tar_samples(tar, where: list):
+    """(key, jpg, label, reason) of each sample of an open tar stream, in order; ``where[0]`` holds the key being
+    read. A sample without both members or with an unreadable label comes with a reason instead of data."""
     key, jpg, cls = None, None, None
-    try:
-        with _open(location, name) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-            for member in tar:
-                stem, ext = member.name.rsplit(".", 1)
-                payload = tar.extractfile(member).read()
-                if len(payload) != member.size:
-                    raise tarfile.ReadError(f"member {member.name} truncated")
-                if stem != key:
-                    key, jpg, cls = stem, None, None
-                if ext == "jpg":
-                    jpg = payload
-                elif ext == "cls":
-                    cls = int(payload)
-                if jpg is not None and cls is not None:
-                    yield int(key), jpg, cls
-                    key, jpg, cls = None, None, None
-    except (tarfile.TarError, EOFError, ValueError) as e:
-        raise DataError(f"{location}/{name}: truncated or corrupt shard ({type(e).__name__}: {e}); "
-                        f"run `convit-scale prep verify` and re-convert") from e
+
+    def sample():
+        if jpg is None or cls is None:
+            return key, None, None, f"incomplete sample (no .{'jpg' if jpg is None else 'cls'} member)"
+        try:
+            return key, jpg, int(cls), None
+        except ValueError:
+            return key, None, None, f"unreadable label {cls[:20]!r}"
+
+    for member in tar:
+        stem, _, ext = member.name.rpartition(".")
+        if stem != key:
+            if key is not None:
+                yield sample()
+            key, jpg, cls = stem, None, None
+            where[0] = key
+        payload = tar.extractfile(member).read()
+        if len(payload) != member.size:
+            raise tarfile.ReadError(f"member {member.name} truncated")
+        if ext == "jpg":
+            jpg = payload
+        elif ext == "cls":
+            cls = payload
+        if jpg is not None and cls is not None:
+            yield sample()
+            key, jpg, cls = None, None, None
+    if key is not None:
+        yield sample()
+
+
+def shard_samples(location: str, name: str, count: int, retries: int, backoff_s: float, sleep=time.sleep):
+    """The ``count`` samples of one shard, in order, as (key, jpg, label, reason); ``reason`` (else None) says
+    why a sample has no data. A shard that fails to open or to stream is reopened after backoff_s, 2 x
+    backoff_s, ... (``retries`` times), skipping the samples already delivered; a local file that is not a
+    valid tar reads the same again and is not reopened. When it never opens: a DataError naming the shard and
+    the number of tries. When it keeps failing mid-shard: the rest of its samples come with the reason."""
+    url = shard_url(location, name)
+    local = "{name}" not in location
+    delivered, tries, where = 0, 0, [None]
+    while delivered < count:
+        tries += 1
+        opened, stream = False, None
+        try:
+            stream = _open_stream(url)
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                opened, position = True, 0
+                for item in _tar_samples(tar, where):
+                    if position >= delivered:
+                        yield item
+                        delivered += 1
+                    position += 1
+                    if delivered == count:
+                        break
+            if delivered < count and isinstance(stream, _CommandStream):
+                stream.finish()
+            if delivered < count:
+                raise tarfile.ReadError(f"the shard ends after {delivered} of {count} samples")
+        except (OSError, tarfile.TarError, EOFError) as e:
+            failure = stream.failure(wait=True) if isinstance(stream, _CommandStream) else None
+            reason = failure or reason_of(e)
+            if tries <= retries and not (local and isinstance(e, (tarfile.TarError, EOFError))):
+                sleep(backoff_s * 2 ** (tries - 1))
+                continue
+            if not opened and delivered == 0:
+                raise DataError(f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} "
+                                f"({reason}); data.open_retries = {retries}") from e
+            why = f"truncated or corrupt shard after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})"
+            for off in range(delivered, count):
+                yield (where[0] if off == delivered and where[0] is not None else f"#{off}"), None, None, why
+            return
+        finally:
+            if stream is not None:
+                stream.close()
 
 
 class _WdsEpoch(IterableDataset):
@@ -120,10 +230,13 @@ class _WdsEpoch(IterableDataset):
                 lo = int(offsets[si])
                 if lo + count <= lo_pos or lo > hi_pos:
                     continue
-                for off, (_, jpg, label) in enumerate(_iter_tar(ld.location, name)):
+                samples = shard_samples(ld.location, name, count, ld.d.open_retries, ld.d.open_retry_backoff_s)
+                url = shard_url(ld.location, name)
+                for off, (key, jpg, label, reason) in enumerate(samples):
                     for _ in range(counts.get(lo + off, 0)):
-                        yield jpg, label
+                        yield url, key, jpg, label, reason
                     if lo + off >= hi_pos:
+                        samples.close()
                         break
 
     def __iter__(self):
@@ -140,12 +253,33 @@ class _WdsEpoch(IterableDataset):
             chunk = [next(stream) for _ in range(b)] if j < last - first - 1 or s.train else list(stream)
             if j < skip:
                 continue  # skipped without decoding
-            k = role + j * nw  # position of this batch in the epoch
-            images = []
-            for i, (jpg, _) in enumerate(chunk):
-                seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
-                images.append(ld.transform(_decode(jpg)))
-            yield Batch(torch.stack(images), torch.tensor([label for _, label in chunk], dtype=torch.long))
+            yield self._batch(chunk, role + j * nw)
+
+    def _batch(self, chunk: list, k: int) -> Batch:
+        """Batch ``k`` of the epoch from its (shard, key, jpeg, label, reason) items. A sample that could not be
+        read or decoded is replaced by the next good sample of the batch (cyclically), augmented with its own
+        seed: a function of the batch alone, so a rerun and a resume replace it alike."""
+        s, b = self.loader.spec, self.loader.spec.micro_batch_size
+        images, labels, failed = [None] * len(chunk), [None] * len(chunk), {}
+        for i, (url, key, jpg, label, reason) in enumerate(chunk):
+            if reason is None:
+                try:
+                    img = decode_rgb(jpg)
+                except DECODE_ERRORS as e:
+                    reason = f"undecodable image ({reason_of(e)})"
+            if reason is not None:
+                failed[i] = {"shard": url, "key": key, "reason": reason}
+                continue
+            seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+            images[i], labels[i] = self.loader.transform(img), label
+        for i, record in failed.items():
+            j = next_good(failed, i, len(chunk))
+            if j is None:
+                raise DataError(f"{record['shard']}: no readable sample in batch {k} of epoch {self.epoch} "
+                                f"(key {record['key']}: {record['reason']})")
+            seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+            images[i], labels[i] = self.loader.transform(decode_rgb(chunk[j][2])), chunk[j][3]
+        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long), bad=list(failed.values()))
 
 
 def _shuffle_buffer(items, size: int, rng: np.random.Generator):
@@ -197,4 +331,4 @@ class WdsLoader:
         loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, num_workers=workers,
                             generator=private_generator(self.spec.seed, epoch), worker_init_fn=worker_init_fn(),
                             pin_memory=self.spec.pin_memory)
-        yield from loader
+        yield from limit_bad_samples(loader, self.d.max_bad_samples, epoch, self.spec.rank)

@@ -107,6 +107,7 @@ class StepResult:
     bad: bool
     stop: bool
     lr: float
+    bad_samples: list = field(default_factory=list)  # every rank's replaced samples of the step (Batch.bad)
 
 
 # -- set-up ----------------------------------------------------------------------------------------------------
@@ -254,12 +255,15 @@ def steps_of_epoch(run: Run, state: TrainState):
 
 def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     """Forward/backward over the step's micro-batches, then one packed all-reduce of (loss sum, non-finite loss,
-    non-finite gradient norm, stop) read by the host once: a bad step is skipped on every rank alike."""
+    non-finite gradient norm, stop, replaced samples) read by the host once: a bad step is skipped on every rank
+    alike, and the replaced samples are gathered only when some rank has any."""
     cfg, ctx, strategy = run.cfg, run.ctx, run.strategy
     seed_all(sample_seed(cfg.run.seed, state.epoch, ctx.rank, 10**9 + state.step))  # Mixup, drop-path
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
-    stats = torch.zeros(4, dtype=torch.float64, device=ctx.device)
+    stats = torch.zeros(5, dtype=torch.float64, device=ctx.device)
+    bad_samples: list[dict] = []
+    micro_batches = _listing_bad(micro_batches, bad_samples)
     m = -1
     for m, (x, y) in enumerate(micro_batches):
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
@@ -285,8 +289,11 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     if not strategy.scales_loss:  # with a loss scaler an overflow is its business, not a bad step
         stats[2] += (~torch.isfinite(norm)).double()
     stats[3].fill_(float(run.stop.requested))
+    stats[4].fill_(float(len(bad_samples)))  # gathered below only when some rank has any
     stats = comm.all_reduce(stats)
-    bad_loss, bad_norm, stop, grad_norm = torch.cat([stats[1:], norm.reshape(1).double()]).tolist()  # one sync
+    bad_loss, bad_norm, stop, num_bad, grad_norm = torch.cat([stats[1:], norm.reshape(1).double()]).tolist()
+    if num_bad:
+        bad_samples = [{**r, "rank": rank} for rank, rs in enumerate(comm.all_gather_object(bad_samples)) for r in rs]
     if bad_loss or bad_norm:
         _bad_step(run, state, "loss" if bad_loss else "gradient norm")
     else:
@@ -295,7 +302,14 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     state.step += 1
     bad = bool(bad_loss or bad_norm)
     return StepResult(stats[0] / (run.accum * ctx.world_size), None if bad or not math.isfinite(grad_norm) else grad_norm,
-                      bad, stop > 0, lr)
+                      bad, stop > 0, lr, bad_samples)
+
+
+def _listing_bad(micro_batches, into: list):
+    """The micro-batches, unchanged; the samples each loader replaced (``Batch.bad``) are appended to ``into``."""
+    for batch in micro_batches:
+        into.extend(getattr(batch, "bad", ()))
+        yield batch
 
 
 def _bad_step(run: Run, state: TrainState, what: str) -> None:
@@ -314,6 +328,8 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress, task) -> No
     """metrics.jsonl at log steps: the only place where the loss reaches the host."""
     cfg = run.cfg
     run.clock[1] += cfg.data.global_batch_size
+    for record in res.bad_samples:  # every step that has any: one record per replaced sample
+        run.metrics.write({"kind": "bad_sample", "step": state.step, "epoch": state.epoch, **record})
     if state.step % cfg.log.every_steps == 0 or state.step == run.total_steps:
         now = time.time()
         loss = None if res.bad else res.loss.item()

@@ -1,0 +1,205 @@
+"""Data faults at scale: shards that fail to open or to stream are reopened, samples that cannot be read or decoded
+are replaced deterministically, listed and counted, and too many stop the run naming the shard or file."""
+
+import io
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import records, run_cli, tiny_recipe
+from convit_scale.config import DataConfig
+from convit_scale.data import DataError, LoaderSpec, build_loader
+from convit_scale.models import MODELS
+
+
+@pytest.mark.parametrize("override, allowed", [("data.open_retries=-1", "must be >= 0"),
+                                             ("data.max_bad_samples=-1", "must be >= 0"),
+                                             ("data.open_retry_backoff_s=0.0", "must be > 0")])
+def test_fault_settings_are_validated(override, allowed):
+    from convit_scale.config import ConfigError, load_config
+
+    assert (load_config().data.open_retries, load_config().data.max_bad_samples) == (3, 100)
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^<defaults> \(with overrides {override}\): {key} = {value} is not "
+                                          rf"allowed; {allowed}$"):
+        load_config(None, [override])
+
+
+def _rewrite_shard(path, change) -> None:
+    """Rewrite a tar shard with ``change(member_name, payload) -> payload`` applied to every member."""
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for m, data in members:
+            data = change(m.name, data)
+            m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+
+
+def _truncate_last_jpeg(path) -> str:
+    """Cut the shard in the middle of its last .jpg member; returns that sample's key."""
+    with tarfile.open(path) as tar:
+        last = [m for m in tar if m.name.endswith(".jpg")][-1]
+    with open(path, "r+b") as f:
+        f.truncate(last.offset_data + last.size // 2)
+    return last.name.rsplit(".", 1)[0]
+
+
+@pytest.fixture()
+def broken_wds(fm_wds, tmp_path):
+    """A copy of the session's shards with one corrupt JPEG (train shard 0) and one truncated member (the last
+    sample of train shard 1); returns (folder, {(shard, key): reason word})."""
+    out = tmp_path / "wds"
+    shutil.copytree(fm_wds, out)
+    shards = sorted(out.glob("train-*.tar"))
+    with tarfile.open(shards[0]) as tar:
+        corrupt = [m.name for m in tar if m.name.endswith(".jpg")][2]
+    _rewrite_shard(shards[0], lambda name, data: data[: len(data) // 2] if name == corrupt else data)
+    truncated = _truncate_last_jpeg(shards[1])
+    return out, {(str(shards[0]), corrupt.rsplit(".", 1)[0]): "undecodable", (str(shards[1]), truncated): "truncated"}
+
+
+def _epoch(loader, epoch=0, start_batch=0):
+    return [(b.images.clone(), b.labels.clone(), b.bad) for b in loader.epoch(epoch, start_batch)]
+
+
+def test_wds_corrupt_jpeg_and_truncated_member_are_replaced_counted_and_limited(broken_wds):
+    path, expected = broken_wds
+    d = DataConfig(format="wds", train_path=str(path), val_path=str(path), num_workers=0, repeated_aug=1)
+    loader = build_loader(d, LoaderSpec("train", 32, 50))
+    first = _epoch(loader)
+    assert len(first) == len(loader) and all(x.shape == (50, 3, 32, 32) and len(y) == 50 for x, y, _ in first)
+    bad = [r for _, _, rs in first for r in rs]
+    assert {(r["shard"], r["key"]): r["reason"].split()[0] for r in bad} == expected and len(bad) == 2
+    # the same replacement after a resume at the first batch with a bad sample (and so on a rerun)
+    k = next(i for i, (_, _, rs) in enumerate(first) if rs)
+    again = _epoch(loader, 0, k)
+    assert len(again) == len(first) - k
+    for (x0, y0, b0), (x1, y1, b1) in zip(first[k:], again):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1
+    # past the limit: one line naming the shard of the sample that crossed it and the limit
+    strict = build_loader(DataConfig(**{**d.__dict__, "max_bad_samples": 1}), LoaderSpec("train", 32, 50))
+    with pytest.raises(DataError) as e:
+        _epoch(strict)
+    msg = str(e.value)
+    assert "\n" not in msg and "data.max_bad_samples = 1" in msg and "2 unreadable samples in epoch 0" in msg
+    assert any(msg.startswith(shard + ":") for shard, _ in expected)
+
+
+def _flaky_pipe(tmp_path, folder, when_failing: str) -> str:
+    """A ``pipe:`` location whose command runs ``when_failing`` for the first two opens of a .tar shard (a
+    counter file counts the opens), then streams the shard; the manifest always streams."""
+    counter = tmp_path / "opens"
+    counter.write_text("0")
+    return (f"pipe:case {{name}} in *.tar) n=$(cat {counter}); echo $((n+1)) > {counter}; "
+            f"if [ $n -lt 2 ]; then {when_failing}; fi;; esac; cat {folder}/{{name}}")
+
+
+def test_a_pipe_that_fails_twice_then_streams_is_read(fm_wds, tmp_path):
+    local = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0)
+    reference = _epoch(build_loader(local, LoaderSpec("val", 32, 50)))
+    n_shards = len(list(fm_wds.glob("val-*.tar")))
+    for when_failing, what in (("echo 'connection reset' >&2; exit 1", "open"),  # exits non-zero, no data
+                               (f"head -c 5000 {fm_wds}/{{name}}; exit 0", "stream")):  # ends mid-shard
+        url = _flaky_pipe(tmp_path, fm_wds, when_failing)
+        d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 2, "open_retry_backoff_s": 0.01})
+        got = _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
+        assert (tmp_path / "opens").read_text().strip() == str(n_shards + 2), what  # two failed tries, then one each
+        assert len(got) == len(reference) and all(not b for _, _, b in got), what
+        assert all(torch.equal(x0, x1) and torch.equal(y0, y1) for (x0, y0, _), (x1, y1, _) in zip(reference, got))
+    # one retry is not enough: one line naming the shard, the tries and the command's failure
+    url = _flaky_pipe(tmp_path, fm_wds, "echo 'connection reset' >&2; exit 3")
+    d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 1, "open_retry_backoff_s": 0.01})
+    with pytest.raises(DataError, match=r"^pipe:case .*val-\S+\.tar: could not be opened after 2 tries "
+                                        r"\(exit status 3: connection reset\); data.open_retries = 1$"):
+        _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
+
+
+def test_imagefolder_unreadable_files_are_replaced_counted_and_limited(tmp_path):
+    from data_prep.fashion_mnist import build_tree
+
+    root = build_tree(tmp_path / "tree", {"train": 5, "val": 1})
+    files = sorted((root / "train").rglob("*.JPEG"))
+    files[3].write_bytes(b"not an image")
+    files[7].write_bytes(files[7].read_bytes()[:100])  # truncated
+    d = DataConfig(format="imagefolder", train_path=str(root), val_path=str(root), num_workers=0, repeated_aug=1)
+    loader = build_loader(d, LoaderSpec("train", 32, 10))
+    first = _epoch(loader)
+    bad = [r for _, _, rs in first for r in rs]
+    assert sorted(r["file"] for r in bad) == sorted(str(f) for f in (files[3], files[7]))
+    assert all(r["reason"].startswith("unreadable image") and r["key"] == r["file"].rsplit("/", 1)[1].rsplit(".", 1)[0]
+               for r in bad)
+    again = _epoch(loader)
+    assert all(torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1 for (x0, y0, b0), (x1, y1, b1) in zip(first, again))
+    strict = build_loader(DataConfig(**{**d.__dict__, "max_bad_samples": 1}), LoaderSpec("train", 32, 10))
+    with pytest.raises(DataError, match=r"data.max_bad_samples = 1") as e:
+        _epoch(strict)
+    assert str(e.value).split(":")[0] in {str(files[3]), str(files[7])}
+
+
+def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, tmp_path):
+    """One process, wds: the bad samples of the steps run appear in metrics.jsonl, as the loader lists them."""
+    path, _ = broken_wds
+    shards = sorted(path.glob("train-*.tar"))
+    for shard in shards[2:]:  # one more corrupt JPEG per shard, so that the first steps surely meet some
+        with tarfile.open(shard) as tar:
+            victim = [m.name for m in tar if m.name.endswith(".jpg")][0]
+        _rewrite_shard(shard, lambda name, data, victim=victim: b"not a jpeg" if name == victim else data)
+    d = DataConfig(format="wds", train_path=str(path), val_path=str(path), global_batch_size=32, num_workers=0,
+                   repeated_aug=1)
+    loader = build_loader(d, LoaderSpec("train", MODELS["convit_nano"].img_size, 32))
+    expected = []
+    for step, batch in enumerate(loader.epoch(0), 1):
+        expected += [{"step": step, "epoch": 0, **r, "rank": 0} for r in batch.bad]
+        if step == 3:
+            break
+    assert expected, "the first steps meet no bad sample: corrupt more"
+    r = tiny_recipe(tmp_path / "r.yaml", "wds", path, tmp_path / "out", data={"val_path": ""},
+                    parallel={"strategy": "none"}, schedule={"max_steps": 3})
+    res = run_cli("train", "--recipe", str(r))
+    assert res.returncode == 0, res.stderr[-3000:]
+    logged = [{k: v for k, v in rec.items() if k != "kind"} for rec in records(tmp_path / "out", "bad_sample")]
+    assert logged == expected
+
+
+def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv, tmp_path):
+    """ffcv's decoders ignore turbojpeg's status (a corrupt JPEG becomes stale pixels); ours replace the view by the
+    next one of the batch that decodes, with that view's label, and list it. Everything else is unchanged."""
+    import dataclasses
+
+    from ffcv.reader import Reader
+
+    from convit_scale.data.ffcv import FILE_INDEX
+
+    path = tmp_path / "ffcv"
+    shutil.copytree(fm_ffcv, path)
+    beton = next(path.glob("train*.beton"))
+    reader = Reader(str(beton))
+    ptr = int(reader.metadata[f"f{reader.field_names.index('image')}"]["data_ptr"][5])
+    with open(beton, "r+b") as f:  # file 5: its JPEG's start-of-image marker overwritten
+        f.seek(ptr)
+        f.write(b"\0\0\0\0")
+    d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=1, repeated_aug=1)
+    broken = build_loader(d, LoaderSpec("train", 32, 50))
+    clean = build_loader(DataConfig(**{**d.__dict__, "train_path": str(fm_ffcv)}), LoaderSpec("train", 32, 50))
+    got, want = _epoch(broken), _epoch(clean)
+    p = int(np.flatnonzero((broken.views(0) & FILE_INDEX) == 5)[0])
+    k, i = divmod(p, 50)
+    assert [b for _, _, b in got] == [[] for _ in range(k)] + [[{"file": str(beton), "key": 5, "reason":
+                                                                  "undecodable JPEG (turbojpeg refused it)"}]] + \
+        [[] for _ in range(len(got) - k - 1)]
+    for n, ((x0, y0, _), (x1, y1, _)) in enumerate(zip(want, got)):
+        same = torch.ones(len(y0), dtype=torch.bool)
+        same[i] = n != k
+        assert torch.equal(x0[same], x1[same]) and torch.equal(y0[same], y1[same]), n
+    x, y, _ = got[k]
+    assert y[i] == y[(i + 1) % 50] and not torch.equal(x[i], want[k][0][i])  # the next view's label and image
+    again = _epoch(broken, 0, k)  # the same replacement after a resume
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got[k:], again))
+    broken.d = dataclasses.replace(d, max_bad_samples=0)
+    with pytest.raises(DataError, match=rf"^{beton}: 1 unreadable samples in epoch 0 on rank 0, more than "
+                                        r"data.max_bad_samples = 0 \(last: key 5: undecodable JPEG"):
+        _epoch(broken)
