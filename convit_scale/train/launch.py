@@ -144,4 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except SetupRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DataError as e:  # data that failed during training (past data.max_bad_samples, a shard never opened)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return EXIT_REQUEUE if status == "stopped" else 0
