@@ -120,6 +120,8 @@ class DataConfig:
     """Resize interpolation of RandomResizedCrop and of the eval resize."""
     eval_crop_ratio: float = 0.875
     """Eval: resize to img_size / ratio (256 for 224), then centre-crop img_size."""
+    augment_on: Literal["auto", "device", "cpu"] = "auto"
+    """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else cpu."""
 
 
 @dataclass
@@ -480,6 +482,12 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("data.eval_crop_ratio", d.eval_crop_ratio, "must be in (0, 1]")
     if d.rand_augment is not None and not d.rand_augment.startswith("rand"):
         fail("data.rand_augment", d.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
+    if d.augment_on == "device":
+        from .data.device_augment import unsupported_on_device
+
+        reason = unsupported_on_device(d)
+        if reason is not None:
+            fail("data.augment_on", "device", reason)
     if o.base_lr <= 0:
         fail("optim.base_lr", o.base_lr, "must be > 0")
     if o.lr_reference_batch < 1:

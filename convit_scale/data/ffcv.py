@@ -210,10 +210,12 @@ class FfcvLoader:
         return self.geometry.num_batches
 
     def _image_pipeline(self) -> list:
-        d, size = self.d, self.spec.img_size
+        d, size, on_device = self.d, self.spec.img_size, self.spec.augment_on_device
         if not self.spec.train:
             return [CenterCropRGBImageDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
-                    ToTorchImage(channels_last=False), _EvalNormalize()]
+                    ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
+        if on_device:  # uint8 crops; RandAugment, normalisation and erasing run on the training device
+            return [SeededCropFlipDecoder((size, size), d.hflip), ToTensor(), ToTorchImage(channels_last=False)]
         from timm.data import create_transform
 
         _, secondary, final = create_transform(
@@ -247,12 +249,18 @@ class FfcvLoader:
         """Batches ``start_batch``.. of ``epoch``. Closing the generator (or dropping it) stops ffcv's thread."""
         loader = self._ffcv_loader()
         loader.plan_order = self.views(epoch, start_batch)
+        # the views' seeds, for the device's augmentation: ffcv yields the batches in the plan's order
+        seeds = torch.from_numpy((loader.plan_order >> ID_BITS).astype(np.int64)) if (
+            self.spec.train and self.spec.augment_on_device) else None
+        b = self.spec.micro_batch_size
         it = iter(loader)
         try:
-            for images, labels in it:
+            for k, (images, labels) in enumerate(it):
                 # ffcv reuses its output buffers: copy what leaves the loader.
                 images, labels = images.clone(), labels.clone().long()
-                yield Batch(images.pin_memory(), labels.pin_memory()) if self.spec.pin_memory else Batch(images, labels)
+                batch_seeds = None if seeds is None else seeds[k * b: k * b + len(labels)]
+                batch = Batch(images, labels, batch_seeds)
+                yield batch.pin_memory() if self.spec.pin_memory else batch
         finally:
             _shut_down(it)
 

@@ -141,11 +141,12 @@ class _WdsEpoch(IterableDataset):
             if j < skip:
                 continue  # skipped without decoding
             k = role + j * nw  # position of this batch in the epoch
-            images = []
+            images, seeds = [], [sample_seed(s.seed, self.epoch, s.rank, k * b + i) for i in range(len(chunk))]
             for i, (jpg, _) in enumerate(chunk):
-                seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+                seed_all(seeds[i])
                 images.append(ld.transform(_decode(jpg)))
-            yield Batch(torch.stack(images), torch.tensor([label for _, label in chunk], dtype=torch.long))
+            yield Batch(torch.stack(images), torch.tensor([label for _, label in chunk], dtype=torch.long),
+                        torch.tensor(seeds, dtype=torch.int64) if s.train and s.augment_on_device else None)
 
 
 def _shuffle_buffer(items, size: int, rng: np.random.Generator):
@@ -180,7 +181,9 @@ class WdsLoader:
         self.shards = [(name, rec["samples"]) for name, rec in sorted(files.items())]
         self.num_samples = sum(c for _, c in self.shards)
         self.d, self.spec, self.buffer_size = d, spec, buffer_size
-        self.transform = build_train_transform(d, spec.img_size) if spec.train else build_eval_transform(d, spec.img_size)
+        on_device = spec.augment_on_device
+        self.transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
+                          else build_eval_transform(d, spec.img_size, on_device))
         self.geometry = EpochGeometry.of(self.num_samples, spec, self.location)
         self.views_per_rank, self.num_real = self.geometry.views_per_rank, self.geometry.num_real
 
