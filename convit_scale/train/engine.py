@@ -252,7 +252,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     for m, batch in enumerate(micro_batches):
         x, y = batch
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-        if run.device_augment is not None:  # RandAugment, normalisation, erasing: seeded per sample, as on the CPU
+        if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
             x = augment_batch(x, batch.seeds, run.device_augment)
         target = y
         if run.mixup is not None:
