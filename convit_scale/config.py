@@ -126,6 +126,8 @@ class DataConfig:
     """WebDataset: the wait before the first reopen, doubled for each further one (1, 2, 4 s)."""
     max_bad_samples: int = 100
     """Unreadable or undecodable samples replaced per epoch and rank before the run stops with a DataError."""
+    augment_on: Literal["auto", "device", "cpu"] = "auto"
+    """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else cpu."""
 
 
 @dataclass
@@ -500,6 +502,12 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("data.open_retry_backoff_s", d.open_retry_backoff_s, "must be > 0")
     if d.rand_augment is not None and not d.rand_augment.startswith("rand"):
         fail("data.rand_augment", d.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
+    if d.augment_on == "device":
+        from .data.device_augment import unsupported_on_device
+
+        reason = unsupported_on_device(d)
+        if reason is not None:
+            fail("data.augment_on", "device", reason)
     if o.base_lr <= 0:
         fail("optim.base_lr", o.base_lr, "must be > 0")
     if o.lr_reference_batch < 1:

@@ -14,6 +14,8 @@ Memory model (bytes; P parameters, N ranks sharding, c = 2 in bf16 / 4 in fp32 c
   block's input.
 Step time = 3 x forward FLOPs x global batch / (world x peak bf16 FLOP/s x MFU); memory and peaks of the
 GPUs from ``hardware.GPUS``.
+Loader: the images/s per GPU that step time asks for, against what the CPU cores beside each GPU can decode and
+augment (``LOADER_CPU_MS_PER_IMAGE``, measured by ``convit-scale bench data``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ from .hardware import GPUS
 from .parallel.zero import zero_sizes
 
 IMAGENET_TRAIN = 1_281_167
+
+LOADER_CPU_MS_PER_IMAGE = {
+    ("ffcv", "cpu"): 7.05, ("ffcv", "device"): 2.27,
+    ("wds", "cpu"): 9.24, ("wds", "device"): 7.55,
+    ("imagefolder", "cpu"): 10.39, ("imagefolder", "device"): 7.73,
+}
+"""CPU milliseconds per training image of one rank's loader (all its workers), full DeiT recipe at 224, by
+(data.format, where the augmentation after the crop runs): ``cpu_ms_per_image`` at 1 worker from
+``convit-scale bench data --rounds 1 --seconds 4 --out runs/bench`` (BENCHMARKS.md, "Data loading"; 2 shared
+x86-64 cores, 500x375 JPEGs; the .beton holds them at a 384-pixel max side)."""
 
 
 @dataclass
@@ -141,3 +153,23 @@ def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4,
             "gpu_hours": step_s * steps * world / 3600, "wall_clock_h": step_s * steps / 3600,
         })
     return rows
+
+
+def loader_check(cfg, gpu: str, cpus_per_gpu: float, mfu: float = 0.4, world: int = 1) -> dict:
+    """Images/s per GPU the training step needs against what the loader gives from ``cpus_per_gpu`` cores.
+
+    The augmentation runs where a CUDA run would put it (``data.augment_on``, auto = the device when it supports
+    the recipe); the loader's rate is ``cpus_per_gpu`` x 1000 / its CPU ms per image."""
+    from .data.device_augment import augment_on_device
+
+    c = 4 if cfg.parallel.precision == "fp32" else 2
+    facts = model_facts(cfg, c)
+    global_batch = cfg.data.global_batch_size
+    step_s = 3 * facts.fwd_flops_per_image * global_batch / (world * GPUS[gpu].peak_tflops * 1e12 * mfu)
+    need = global_batch / world / step_s
+    where = "device" if augment_on_device(cfg.data, torch.device("cuda")) else "cpu"
+    ms = LOADER_CPU_MS_PER_IMAGE[(cfg.data.format, where)]
+    give = cpus_per_gpu * 1000 / ms
+    return {"gpu_images_per_s": need, "loader_images_per_s": give, "cpu_ms_per_image": ms, "augment_on": where,
+            "format": cfg.data.format, "cpus_per_gpu": cpus_per_gpu, "step_s": step_s,
+            "bottleneck": "loader" if give < need else "gpus"}

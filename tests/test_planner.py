@@ -126,3 +126,30 @@ def test_planner_reads_the_engines_zero_sizes():
                                                                 "parallel.zero_bucket_elements=1000000"])
     (small,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", strategies=("zero3",))
     assert math.isclose(small["grads_gib"] * 2**30, 2 * P / 8 + 2 * 1e6)
+
+
+# -- the loader: images/s the GPUs need against what the CPU cores beside them give --------------------------
+def test_loader_check_names_the_slower_side():
+    from convit_scale.planner import LOADER_CPU_MS_PER_IMAGE, loader_check
+
+    cfg = load_config("recipes/table1/convit_tiny.yaml")
+    few = loader_check(cfg, "h200-141gb", cpus_per_gpu=2)
+    assert few["augment_on"] == "device" and few["format"] == cfg.data.format
+    assert few["cpu_ms_per_image"] == LOADER_CPU_MS_PER_IMAGE[(cfg.data.format, "device")]
+    assert math.isclose(few["loader_images_per_s"], 2 * 1000 / few["cpu_ms_per_image"])
+    assert few["loader_images_per_s"] < few["gpu_images_per_s"] and few["bottleneck"] == "loader"
+    many = loader_check(cfg, "h200-141gb", cpus_per_gpu=10_000)
+    assert many["gpu_images_per_s"] == few["gpu_images_per_s"] and many["bottleneck"] == "gpus"
+    # what a CUDA run cannot augment on the device stays on the CPU: more CPU time per image
+    cpu = loader_check(load_config("recipes/table1/convit_tiny.yaml", ["data.augment_on=cpu"]), "h200-141gb", 2)
+    assert cpu["augment_on"] == "cpu" and cpu["cpu_ms_per_image"] > few["cpu_ms_per_image"]
+
+
+def test_plan_command_warns_when_the_loader_is_slower():
+    res = run_cli("plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--cpus-per-gpu", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warning: the loader is slower than the GPUs" in res.stdout
+    res = run_cli("plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
+                  "1", env={"SLURM_CPUS_PER_TASK": "100000"})
+    assert res.returncode == 0 and "100000 CPU cores per GPU" in res.stdout
+    assert "the GPUs are slower than the loader" in res.stdout and "warning" not in res.stdout

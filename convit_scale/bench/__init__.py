@@ -25,7 +25,7 @@ def _run(args) -> dict:
     if args.what == "data":
         from .data import bench_data
 
-        return bench_data(out / "data_work", args.seconds, args.rounds)
+        return bench_data(out / "data_work", args.seconds, args.rounds, args.device)
     if args.what == "memory":
         from .memory import bench_memory
 

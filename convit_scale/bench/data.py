@@ -1,7 +1,16 @@
-"""`bench data`: loader throughput per core (ImageFolder, WebDataset, FFCV) against raw JPEG decode."""
+"""`bench data`: loader throughput per rank (ImageFolder, WebDataset, FFCV) at 1, 2 and N workers, CPU time per
+image, and the device augmentation stage, against raw JPEG decode.
+
+Each format runs two recipes, "full" (DeiT: RandAugment rand-m9-mstd0.5-inc1, random erasing 0.25) and
+"crop_flip" (RandomResizedCrop + flip only), in both places the augmentation can run: "cpu" (the loader does it
+all) and "device" (the loader stops at uint8 crops; ``device_augment`` does the rest on the training device,
+timed separately). In device mode the loader's work is the same for both recipes: their rates' ratio shows it.
+"""
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from pathlib import Path
 
@@ -15,11 +24,7 @@ def make_photo_tree(out: Path, per_class: int = 40, classes: int = 4, seed: int 
     import numpy as np
     from PIL import Image
 
-    try:
-        from sklearn.datasets import load_sample_images
-    except ImportError as e:
-        raise SystemExit("error: `bench data` needs scikit-learn's sample photographs: pip install -e '.[bench]'") from e
-    photos = [Image.fromarray(a) for a in load_sample_images().images]  # 640x427 each
+    photos = [Image.open(p).convert("RGB") for p in _sample_photographs()]  # 640x427 each
     rng = np.random.default_rng(seed)
     for split, n in (("train", per_class), ("val", max(4, per_class // 4))):
         for c in range(classes):
@@ -34,6 +39,18 @@ def make_photo_tree(out: Path, per_class: int = 40, classes: int = 4, seed: int 
                     img = img.transpose(Image.FLIP_LEFT_RIGHT)
                 img.save(d / f"{i:04d}.JPEG", quality=90)
     return out
+
+
+def _sample_photographs() -> list[Path]:
+    """scikit-learn's two photographs (china.jpg, flower.jpg: ``load_sample_images``' images, in its order), read
+    as files: importing sklearn.datasets would pull in SciPy, which the bench does not need."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    photos = sorted(Path(spec.submodule_search_locations[0], "datasets", "images").glob("*.jpg")) if spec else []
+    if len(photos) != 2:
+        raise SystemExit("error: `bench data` needs scikit-learn's two sample photographs: pip install -e '.[bench]'")
+    return photos
 
 
 def _decode_rate(tree: str, seconds: float) -> float:
@@ -52,47 +69,111 @@ def _decode_rate(tree: str, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def worker(spec: dict) -> dict:
-    """Images/s of one loader on one core (workers 0: everything in this process), or of raw decode."""
-    torch.set_num_threads(1)
-    if spec["loader"] == "decode":
-        return {"images_per_s": _decode_rate(spec["tree"], spec["seconds"])}
+FORMATS = ("imagefolder", "wds", "ffcv")
+RECIPES = ("crop_flip", "full")
+MODES = ("cpu", "device")
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (DataLoader workers are joined at the end of each epoch)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _loader_rate(spec: dict, workers: int) -> dict:
+    """Images/s of one rank's train loader with ``workers`` workers, and CPU ms per image (all processes)."""
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
 
     full = spec["transform"] == "full"
-    d = DataConfig(format=spec["loader"], train_path=spec["path"], val_path=spec["path"], num_workers=0,
+    d = DataConfig(format=spec["loader"], train_path=spec["path"], val_path=spec["path"], num_workers=workers,
                    repeated_aug=1, rand_augment="rand-m9-mstd0.5-inc1" if full else None,
                    color_jitter=0.4 if full else 0.0, reprob=0.25 if full else 0.0)
-    if spec["loader"] == "ffcv":
-        d.num_workers = 1  # FFCV decodes in its own thread pool: one thread
-    loader = build_loader(d, LoaderSpec("train", 224, 16))
-    n, epoch = 0, 0
+    if spec["loader"] in ("imagefolder", "wds") and workers == 1:
+        d.num_workers = 0  # one worker = the work in this process (one core), as FFCV's one thread
+    loader = build_loader(d, LoaderSpec("train", 224, 16, augment_on_device=spec["mode"] == "device"))
     for _ in loader.epoch(99):  # warm-up: numba compilation, file cache
         break
-    t0 = time.perf_counter()
+    n, epoch = 0, 0
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     while time.perf_counter() - t0 < spec["seconds"]:
         for x, _ in loader.epoch(epoch):
             n += len(x)
         epoch += 1
-    return {"images_per_s": n / (time.perf_counter() - t0)}
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    return {"images_per_s": n / wall, "cpu_ms_per_image": 1000 * cpu / n}
 
 
-def bench_data(work: Path, seconds: float, rounds: int) -> dict:
+def worker(spec: dict) -> dict:
+    """One candidate in this fresh process: raw decode, the device stage, or one loader at each worker count."""
+    torch.set_num_threads(1)
+    if spec["loader"] == "decode":
+        return {"images_per_s": _decode_rate(spec["tree"], spec["seconds"])}
+    if spec["loader"] == "device_stage":
+        from ..data.device_augment import DeviceAugmentConfig, device_augment_throughput
+
+        torch.set_num_threads(os.cpu_count() or 1)  # the device is the whole machine when it is the CPU
+        cuda = spec["device"].startswith("cuda")
+        batch, steps = (256, 20) if cuda else (32, 2)
+        cfgs = {"full": DeviceAugmentConfig(), "crop_flip": DeviceAugmentConfig(rand_augment=None, reprob=0.0)}
+        return {k: device_augment_throughput(spec["device"], batch=batch, img_size=224, steps=steps, warmup=1, cfg=c)
+                for k, c in cfgs.items()}
+    return {str(w): _loader_rate(spec, w) for w in spec["workers"]}
+
+
+def _targets(loaders: dict, device_stage: dict, device: str, workers: list[int]) -> dict:
+    """The issue's targets, on the device mode (the default when training on GPUs)."""
+    ffcv = loaders["ffcv"]
+    one, two = ffcv["full"]["device"]["1"]["images_per_s"], ffcv["full"]["device"].get("2", {}).get("images_per_s")
+    full, crop = ffcv["full"]["device"][str(workers[-1])], ffcv["crop_flip"]["device"][str(workers[-1])]
+    stage = device_stage["full"] if device.startswith("cuda") else None
+    return {
+        "ffcv_full_2_vs_1_workers": {"value": None if two is None else two / one, "target": 1.8},
+        "ffcv_full_vs_crop_flip": {"value": full["images_per_s"] / crop["images_per_s"], "target": 0.9},
+        "device_stage_images_per_s_on_gpu": {"value": stage, "target": 20000,
+                                             "note": None if stage else f"not measurable on {device}"},
+    }
+
+
+def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> dict:
     from data_prep import PrepOptions, prepare
 
     tree = make_photo_tree(work / "tree")
     paths = {"imagefolder": tree, "wds": work / "wds", "ffcv": work / "ffcv"}
     prepare(tree, paths["wds"], PrepOptions(fmt="wds", shard_size=40, workers=2))
     prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2))
-    cands = [("decode", None)] + [(l, t) for l in ("imagefolder", "wds", "ffcv") for t in ("crop_flip", "full")]
-    best: dict[str, float] = {}
+    workers = sorted({1, 2, os.cpu_count() or 1})
+    cands = [("decode", None, None), ("device_stage", None, None)] + [
+        (f, t, m) for f in FORMATS for t in RECIPES for m in MODES]
+    best: dict = {}
+
+    def keep(key, value):  # the best round of each number
+        best[key] = max(best.get(key, value), value)
+
     for _ in range(rounds):
-        for loader, transform in cands:
-            key = loader if transform is None else f"{loader}/{transform}"
-            r = run_worker("data", {"loader": loader, "transform": transform, "tree": str(tree),
-                                    "path": str(paths.get(loader, tree)), "seconds": seconds})
-            best[key] = max(best.get(key, 0.0), r["images_per_s"])
+        for loader, transform, mode in cands:
+            r = run_worker("data", {"loader": loader, "transform": transform, "mode": mode, "tree": str(tree),
+                                    "path": str(paths.get(loader, tree)), "seconds": seconds, "workers": workers,
+                                    "device": device})
+            if loader == "decode":
+                keep("decode", r["images_per_s"])
+            elif loader == "device_stage":
+                for k, v in r.items():
+                    keep(("device_stage", k), v)
+            else:
+                for w, v in r.items():
+                    keep((loader, transform, mode, w, "images_per_s"), v["images_per_s"])
+                    keep((loader, transform, mode, w, "cpu_ms_per_image"), -v["cpu_ms_per_image"])  # least CPU
     raw = best["decode"]
-    return {"seconds": seconds, "rounds": rounds,
-            "results": {k: {"images_per_s": v, "vs_raw_decode": v / raw} for k, v in best.items()}}
+    loaders = {f: {t: {m: {str(w): {k: abs(best[(f, t, m, str(w), k)]) for k in ("images_per_s", "cpu_ms_per_image")}
+                           for w in workers} for m in MODES} for t in RECIPES} for f in FORMATS}
+    device_stage = {k: best[("device_stage", k)] for k in RECIPES}
+    # `results` keeps its meaning: one core, augmentation on the CPU, against raw decode
+    results = {"decode": {"images_per_s": raw, "vs_raw_decode": 1.0}}
+    for f in FORMATS:
+        for t in RECIPES:
+            v = loaders[f][t]["cpu"]["1"]["images_per_s"]
+            results[f"{f}/{t}"] = {"images_per_s": v, "vs_raw_decode": v / raw}
+    return {"seconds": seconds, "rounds": rounds, "workers": workers, "device": device, "results": results,
+            "loaders": loaders, "device_stage_images_per_s": {"device": device, "img_size": 224, **device_stage},
+            "targets": _targets(loaders, device_stage, device, workers)}

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from .argtypes import fraction, positive_int, recipe
+import os
+
+from .argtypes import fraction, positive_float, positive_int, recipe
 
 
 def _cmd_plan(args) -> int:
@@ -11,7 +13,7 @@ def _cmd_plan(args) -> int:
     from rich.table import Table
 
     from ..config import load_config
-    from ..planner import plan
+    from ..planner import loader_check, plan
 
     cfg = load_config(args.recipe, args.overrides)
     rows = plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
@@ -30,7 +32,28 @@ def _cmd_plan(args) -> int:
     Console().print(t)
     if cfg.data.global_batch_size % world:
         print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
+    cpus = args.cpus_per_gpu or _default_cpus_per_gpu(args.gpus_per_node)
+    lc = loader_check(cfg, args.gpu, cpus, args.mfu, world)
+    print(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (step {lc['step_s']:.3f} s); "
+          f"{cpus:g} CPU cores per GPU give {lc['loader_images_per_s']:,.0f} images/s ({lc['format']}, "
+          f"{lc['cpu_ms_per_image']:.2f} CPU ms per image, augmentation on the {lc['augment_on']})")
+    if lc["bottleneck"] == "loader":
+        print(f"warning: the loader is slower than the GPUs ({lc['loader_images_per_s'] / lc['gpu_images_per_s']:.2f}x "
+              f"of what they need): more CPU cores per GPU, data.format=ffcv, or data.augment_on=device")
+    else:
+        print("the GPUs are slower than the loader: it is not the bottleneck")
     return 0
+
+
+def _default_cpus_per_gpu(gpus_per_node: int) -> float:
+    """Slurm's CPUs per task (one task per GPU) when set, else this machine's cores shared by its GPUs."""
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK")
+    if not slurm:
+        return (os.cpu_count() or 1) / gpus_per_node
+    try:
+        return float(slurm)
+    except ValueError:
+        raise SystemExit(f"error: SLURM_CPUS_PER_TASK = {slurm!r} is not a number; pass --cpus-per-gpu N") from None
 
 
 def register(sub) -> None:
@@ -43,5 +66,7 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (>= 1)")
     p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
     p.add_argument("--mfu", type=fraction, default=0.4, help="assumed model FLOPs utilisation, in (0, 1]")
+    p.add_argument("--cpus-per-gpu", type=positive_float, default=None,
+                   help="CPU cores feeding each GPU's loader (> 0; default SLURM_CPUS_PER_TASK, else cores / GPUs)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.global_batch_size=2048")
     p.set_defaults(func=_cmd_plan)

@@ -1,7 +1,8 @@
 """Loaders (FFCV, WebDataset, ImageFolder) with one contract, the epoch plan, and the DeiT transforms.
 
 ``loader.epoch(epoch, start_batch)`` yields ``Batch`` objects (``x, y = batch``; data/batch.py): images float (B, 3, S, S),
-normalised; labels int64 (B,); ``len(loader)`` batches per epoch, the same on every rank, of which the
+normalised (or, with ``LoaderSpec.augment_on_device``, uint8 crops and each sample's seed, for device_augment.py to
+finish on the training device); labels int64 (B,); ``len(loader)`` batches per epoch, the same on every rank, of which the
 first ``loader.num_real`` samples count (``geometry.py``). Train epochs are shuffled from the seed with
 repeated augmentation and drop the last partial batch; augmentation is seeded per sample, so a resumed
 epoch continues bit-identically.

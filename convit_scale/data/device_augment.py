@@ -148,6 +148,36 @@ class DeviceAugmentConfig:
         return tuple(min(255, round(255 * m)) for m in self.mean)
 
 
+def unsupported_on_device(d) -> str | None:
+    """Why ``augment_batch`` cannot run the train augmentation of the data section ``d`` (a DataConfig), or None.
+
+    The CPU keeps the crop and the flip either way; RandAugment runs its geometric ops bicubic, as DeiT's."""
+    if d.rand_augment is not None:
+        try:
+            RandAugmentPolicy.parse(d.rand_augment)
+        except ValueError as e:
+            return f"data.rand_augment = {d.rand_augment!r} does not run on the device ({e}); use data.augment_on=cpu"
+        if d.interpolation != "bicubic":
+            return (f"RandAugment's geometric ops run bicubic on the device, the recipe asks data.interpolation = "
+                    f"{d.interpolation!r}; use bicubic or data.augment_on=cpu")
+    elif d.color_jitter > 0:
+        return (f"colour jitter (data.color_jitter = {d.color_jitter}, applied when data.rand_augment is null) does "
+                f"not run on the device; set data.color_jitter=0 or data.augment_on=cpu")
+    return None
+
+
+def augment_on_device(d, device: torch.device) -> bool:
+    """``data.augment_on`` resolved for a run on ``device``: auto = on CUDA, when the device supports the recipe."""
+    if d.augment_on == "auto":
+        return device.type == "cuda" and unsupported_on_device(d) is None
+    return d.augment_on == "device"
+
+
+def config_of(d) -> DeviceAugmentConfig:
+    """The device half of the recipe's train augmentation (DataConfig ``d``): RandAugment and random erasing."""
+    return DeviceAugmentConfig(rand_augment=d.rand_augment, reprob=d.reprob)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Counter-based randomness: splitmix64 in int64 torch ops (wrapping multiply, logical shifts by masking)
 # ---------------------------------------------------------------------------------------------------------

@@ -225,10 +225,12 @@ class FfcvLoader:
         return self.geometry.num_batches
 
     def _image_pipeline(self) -> list:
-        d, size = self.d, self.spec.img_size
+        d, size, on_device = self.d, self.spec.img_size, self.spec.augment_on_device
         if not self.spec.train:
             return [CenterCropRGBImageDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
-                    ToTorchImage(channels_last=False), _EvalNormalize()]
+                    ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
+        if on_device:  # uint8 crops; RandAugment, normalisation and erasing run on the training device
+            return [SeededCropFlipDecoder((size, size), d.hflip), ToTensor(), ToTorchImage(channels_last=False)]
         from timm.data import create_transform
 
         _, secondary, final = create_transform(
@@ -285,9 +287,11 @@ class FfcvLoader:
                 labels[i] = labels[j]
                 bad.append({"file": str(self._path), "key": int(views[i] & FILE_INDEX),
                             "reason": "undecodable JPEG (turbojpeg refused it)"})
-            if self.spec.pin_memory:
-                images, labels = images.pin_memory(), labels.pin_memory()
-            yield Batch(images, labels, bad=bad)
+            seeds = None  # the views' seeds, for the device's augmentation (ffcv yields the plan's order)
+            if self.spec.train and self.spec.augment_on_device:
+                seeds = torch.from_numpy(((views & ~REPLACED) >> ID_BITS).astype(np.int64))
+            batch = Batch(images, labels, seeds, bad=bad)
+            yield batch.pin_memory() if self.spec.pin_memory else batch
 
 
 def _shut_down(it) -> None:

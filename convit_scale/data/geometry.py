@@ -31,6 +31,9 @@ class LoaderSpec:
     seed: int = 0
     pin_memory: bool = False
     """Batches in page-locked memory (training on a GPU): the copy to the device overlaps compute."""
+    augment_on_device: bool = False
+    """Stop at uint8 images (train: cropped and flipped, with ``Batch.seeds``; eval: resized and centre-cropped):
+    the training device does RandAugment, normalisation and erasing (device_augment.py)."""
 
     @property
     def train(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 
@@ -72,7 +73,9 @@ class MapStyleLoader:
         self.samples = imagefolder_samples(root, spec.split, d.subset_fraction)
         self.d, self.spec = d, spec
         self.num_samples = len(self.samples)
-        transform = build_train_transform(d, spec.img_size) if spec.train else build_eval_transform(d, spec.img_size)
+        on_device = spec.augment_on_device
+        transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
+                     else build_eval_transform(d, spec.img_size, on_device))
         self.dataset = _SeededImages(self.samples, transform)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(root))
         self.num_real = self.geometry.num_real
@@ -91,4 +94,11 @@ class MapStyleLoader:
                             num_workers=self.d.num_workers, persistent_workers=False,
                             generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn(),
                             collate_fn=_collate, pin_memory=s.pin_memory)
-        yield from limit_bad_samples(loader, self.d.max_bad_samples, epoch, s.rank)
+        batches = limit_bad_samples(loader, self.d.max_bad_samples, epoch, s.rank)
+        if not (s.train and s.augment_on_device):
+            yield from batches
+            return
+        seeds = torch.tensor([seed for _, seed in items], dtype=torch.int64)
+        for k, batch in enumerate(batches):  # in order: batch k holds items [k*b, (k+1)*b)
+            batch.seeds = seeds[k * b: k * b + len(batch.labels)]
+            yield batch

@@ -4,6 +4,9 @@ Train: bicubic RandomResizedCrop + flip, RandAugment rand-m9-mstd0.5-inc1, colou
 it when RandAugment is on, as DeiT does), normalisation, random erasing 0.25 in pixel mode.
 Eval: resize to img_size / 0.875 (256 for 224), centre crop, normalisation.
 Mixup 0.8 / CutMix 1.0 with label smoothing act on whole batches in the training loop.
+
+With the augmentation on the training device (``LoaderSpec.augment_on_device``) the loaders stop at uint8
+tensors: train after the crop and flip, eval after the resize and centre crop; device_augment.py does the rest.
 """
 
 from __future__ import annotations
@@ -13,11 +16,18 @@ import random
 import numpy as np
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform
+from timm.data.transforms import MaybePILToTensor
+from torchvision.transforms import Compose
 
 from ..config import DataConfig
 
 
-def build_train_transform(d: DataConfig, img_size: int):
+def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False):
+    """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor."""
+    if on_device:
+        primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=(0.08, 1.0), hflip=d.hflip,
+                                         interpolation=d.interpolation, separate=True)
+        return Compose([*primary.transforms, MaybePILToTensor()])
     return create_transform(
         input_size=img_size, is_training=True, scale=(0.08, 1.0), hflip=d.hflip,
         color_jitter=d.color_jitter, auto_augment=d.rand_augment, interpolation=d.interpolation,
@@ -25,9 +35,10 @@ def build_train_transform(d: DataConfig, img_size: int):
     )
 
 
-def build_eval_transform(d: DataConfig, img_size: int):
+def build_eval_transform(d: DataConfig, img_size: int, on_device: bool = False):
+    """Resize, centre crop, normalise; or (``on_device``) a uint8 (3, S, S) tensor, normalised on the device."""
     return create_transform(input_size=img_size, is_training=False, interpolation=d.interpolation,
-                            crop_pct=d.eval_crop_ratio)
+                            crop_pct=d.eval_crop_ratio, use_prefetcher=on_device)
 
 
 def build_mixup(d: DataConfig, num_classes: int) -> Mixup | None:

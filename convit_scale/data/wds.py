@@ -279,7 +279,9 @@ class _WdsEpoch(IterableDataset):
                                 f"(key {record['key']}: {record['reason']})")
             seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
             images[i], labels[i] = self.loader.transform(decode_rgb(chunk[j][2])), chunk[j][3]
-        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long), bad=list(failed.values()))
+        seeds = torch.tensor([sample_seed(s.seed, self.epoch, s.rank, k * b + i) for i in range(len(chunk))],
+                             dtype=torch.int64) if s.train and s.augment_on_device else None  # device augmentation
+        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long), seeds, bad=list(failed.values()))
 
 
 def _shuffle_buffer(items, size: int, rng: np.random.Generator):
@@ -314,7 +316,9 @@ class WdsLoader:
         self.shards = [(name, rec["samples"]) for name, rec in sorted(files.items())]
         self.num_samples = sum(c for _, c in self.shards)
         self.d, self.spec, self.buffer_size = d, spec, buffer_size
-        self.transform = build_train_transform(d, spec.img_size) if spec.train else build_eval_transform(d, spec.img_size)
+        on_device = spec.augment_on_device
+        self.transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
+                          else build_eval_transform(d, spec.img_size, on_device))
         self.geometry = EpochGeometry.of(self.num_samples, spec, self.location)
         self.views_per_rank, self.num_real = self.geometry.views_per_rank, self.geometry.num_real
 

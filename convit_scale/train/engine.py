@@ -25,6 +25,8 @@ from timm.loss import SoftTargetCrossEntropy
 
 from ..config import Config, model_options
 from ..data import DataError, LoaderSpec, build_loader
+from ..data.device_augment import DeviceAugmentConfig, augment_batch, augment_on_device, normalize
+from ..data.device_augment import config_of as device_augment_config
 from ..data.plan import sample_seed
 from ..data.transforms import build_mixup, seed_all
 from ..metrics import MetricsWriter
@@ -92,6 +94,7 @@ class Run:
     faults: Faults | None = None
     teacher: torch.nn.Module | None = None
     memory: dict = field(default_factory=dict)  # base / set-up peak / model state, MB
+    device_augment: DeviceAugmentConfig | None = None  # set: train batches are uint8 crops, augmented on the device
     final: dict = field(default_factory=dict)
     clock: list = field(default_factory=lambda: [time.time(), 0])  # last log time, images since
 
@@ -161,11 +164,12 @@ def check_teacher(run: Run, images: int = 1000) -> None:
 
 def _loaders(cfg: Config, ctx: DistContext, micro: int):
     img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
-    pin = ctx.device.type == "cuda"
+    pin, on_device = ctx.device.type == "cuda", augment_on_device(cfg.data, ctx.device)
     train_loader = build_loader(cfg.data, LoaderSpec("train", img_size, micro, ctx.world_size, ctx.rank, cfg.run.seed,
-                                                     pin_memory=pin))
-    val_loader = build_loader(cfg.data, LoaderSpec("val", img_size, cfg.data.eval_batch_size, ctx.world_size,
-                                                   ctx.rank, cfg.run.seed, pin_memory=pin)) if cfg.data.val_path else None
+                                                     pin_memory=pin, augment_on_device=on_device))
+    val_loader = build_loader(cfg.data, LoaderSpec("val", img_size, cfg.data.eval_batch_size, ctx.world_size, ctx.rank,
+                                                   cfg.run.seed, pin_memory=pin, augment_on_device=on_device)
+                              ) if cfg.data.val_path else None
     return train_loader, val_loader
 
 
@@ -223,7 +227,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
               criterion, build_mixup(cfg.data, cfg.model.num_classes),
               MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
-              faults=Faults.from_env(ctx.rank), teacher=teacher)
+              faults=Faults.from_env(ctx.rank), teacher=teacher,
+              device_augment=device_augment_config(cfg.data) if train_loader.spec.augment_on_device else None)
     check_teacher(run)
     run.memory = {"base_mem_mb": base_mem, "setup_peak_mem_mb": round(peak_memory_mb(ctx.device), 1),
                   "state_mem_mb": None}
@@ -265,8 +270,11 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     bad_samples: list[dict] = []
     micro_batches = _listing_bad(micro_batches, bad_samples)
     m = -1
-    for m, (x, y) in enumerate(micro_batches):
+    for m, batch in enumerate(micro_batches):
+        x, y = batch
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
+            x = augment_batch(x, batch.seeds, run.device_augment)
         target = y
         if run.mixup is not None:
             x, target = run.mixup(x, y)
@@ -360,6 +368,8 @@ def evaluate(strategy, loader, ctx: DistContext, max_batches: int | None = None)
             if max_batches is not None and i >= max_batches:
                 break
             x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            if x.dtype == torch.uint8:  # resized and cropped on the CPU, normalised on the device
+                x = normalize(x)
             real = (torch.arange(len(y), device=y.device) + seen) < loader.num_real  # padding does not count
             seen += len(y)
             counts += topk_counts(strategy.forward(x), y, real)
@@ -393,6 +403,7 @@ def _analysis(run: Run) -> dict | None:
                 break
             for i in range(0, n, 32):  # (B, H, L, L) maps per layer: a few at a time
                 chunk = x[i:min(n, i + 32)].to(ctx.device, non_blocking=True)
+                chunk = normalize(chunk) if chunk.dtype == torch.uint8 else chunk  # device-augmentation mode
                 maps = attention_maps(plain, chunk)
                 sums[:-1] += torch.stack([nonlocality_of(a, plain.grid_size).mean() for a in maps]).double() * len(chunk)
                 sums[-1] += len(chunk)
