@@ -19,6 +19,18 @@ class CheckpointMismatch(ValueError):
     """A state dict whose keys or shapes do not match the model."""
 
 
+WEIGHTS_FILES = "a .safetensors file or a .pth/.pt/.bin state dict of tensors"
+"""What :func:`read_state_dict` reads, for error messages."""
+
+
+def _unreadable(e: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused a file, without torch's advice to load it unsafely."""
+    for line in str(e).splitlines():
+        if "Unsupported global:" in line:  # pickled Python objects that a weights-only load does not run
+            return "it pickles Python objects (" + line.split("Unsupported global:", 1)[1].split(" was not")[0].strip().removeprefix("GLOBAL ") + ")"
+    return "not a torch checkpoint" if isinstance(e, (KeyError, EOFError)) else f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` or ``.pth``/``.pt``/``.bin`` file into a flat state dict, safely."""
     path = Path(path)
@@ -30,18 +42,20 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+            raise ValueError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             f"allowed: {WEIGHTS_FILES}") from e
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path}: not a readable weights-only checkpoint ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{path}: not a weights file ({_unreadable(e)}; a weights-only read runs no pickled code); "
+                         f"allowed: {WEIGHTS_FILES}") from e
     # The official ConViT/DeiT releases wrap the weights: {"model": state_dict, ...}.
     for key in ("model", "state_dict", "module"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path}: does not hold a state dict of tensors")
+        raise ValueError(f"{path}: does not hold a state dict of tensors; allowed: {WEIGHTS_FILES}")
     return obj
 
 
