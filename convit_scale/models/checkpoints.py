@@ -96,6 +96,11 @@ def _is_square(n: int) -> bool:
     return n >= 0 and round(n**0.5) ** 2 == n
 
 
+def _first(items: list[str], sep: str, n: int = 8) -> str:
+    """The first ``n`` items: a wrong architecture's hundreds of keys would bury the line."""
+    return sep.join(items[:n]) + (f"{sep}... ({len(items) - n} more)" if len(items) > n else "")
+
+
 def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: str = "state dict") -> None:
     """Raise ``CheckpointMismatch`` naming every missing, unexpected or mis-shaped key."""
     expected = model.state_dict()
@@ -109,11 +114,11 @@ def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: 
     if missing or unexpected or shapes:
         parts = []
         if missing:
-            parts.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+            parts.append(f"missing keys ({len(missing)}): {_first(missing, ', ')}")
         if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+            parts.append(f"unexpected keys ({len(unexpected)}): {_first(unexpected, ', ')}")
         if shapes:
-            parts.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes)}")
+            parts.append(f"shape mismatches ({len(shapes)}): {_first(shapes, '; ')}")
         raise CheckpointMismatch(f"{what} does not match the model: " + " | ".join(parts))
 
 
