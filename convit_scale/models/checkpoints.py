@@ -28,7 +28,10 @@ def _unreadable(e: BaseException) -> str:
     for line in str(e).splitlines():
         if "Unsupported global:" in line:  # pickled Python objects that a weights-only load does not run
             return "it pickles Python objects (" + line.split("Unsupported global:", 1)[1].split(" was not")[0].strip().removeprefix("GLOBAL ") + ")"
-    return "not a torch checkpoint" if isinstance(e, (KeyError, EOFError)) else f"{type(e).__name__}: {e}".splitlines()[0]
+    text = str(e)
+    if isinstance(e, (KeyError, EOFError)) or "weights_only" in text or "Weights only" in text:
+        return "not a torch checkpoint"  # torch's own text advises an unsafe load: not relayed
+    return f"{type(e).__name__}: {text}".splitlines()[0]
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
