@@ -128,15 +128,19 @@ def _not_a_checkpoint(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_export_refuses_a_wrong_suffix_and_an_existing_folder(tmp_path, capsys):
-    ckpt = tmp_path / "ckpt"
+    ckpt = tmp_path / "ckpt"  # refused for --out before its state is read
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "config": {"model": {"name": "convit_nano"}}}))
     refused(["export", "--checkpoint", ckpt, "--out", tmp_path / "m.pth"], capsys, "m.pth",
             "allowed: a file name ending in .safetensors")
     folder = tmp_path / "m.safetensors"
     folder.mkdir()
     refused(["export", "--checkpoint", ckpt, "--out", folder], capsys, str(folder), "existing folder")
+    refused(["export", "--checkpoint", tmp_path / "nockpt", "--out", tmp_path / "new" / "deep" / "m.safetensors"],
+            capsys, str(tmp_path / "nockpt"), "not a complete checkpoint")
     refused(["export", "--checkpoint", ckpt, "--out", tmp_path / "new" / "deep" / "m.safetensors"], capsys,
-            str(ckpt), "not a complete checkpoint")
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["m.safetensors"]  # no .tmp, no folder made
+            str(ckpt), "neither a DCP nor a DeepSpeed checkpoint")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "m.safetensors", "meta.json"]  # no .tmp or folder
 
 
 def test_eval_and_analyze_name_a_file_that_is_no_checkpoint(tmp_path, capsys):

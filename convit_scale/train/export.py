@@ -39,6 +39,8 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    if not (checkpoint_dir / "meta.json").is_file():
+        raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
     if out.suffix != ".safetensors":
         raise ValueError(f"export --out {out}: export writes safetensors; allowed: a file name ending in .safetensors")
     if out.is_dir():
