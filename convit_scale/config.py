@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -319,6 +320,34 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is refused (plain YAML keeps the last one
+    silently, so a second ``optim:`` section would drop the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise ConfigError(f"{key_node.start_mark.name}:{key_node.start_mark.line + 1}: key {key!r} given "
+                                  f"twice in one mapping (first on line {first}); each key may appear once")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, name: str = "<override>"):
+    """YAML text -> Python objects with :class:`_UniqueKeyLoader` (``name`` appears in its errors)."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     """Read a recipe, resolving ``base:`` (a path relative to the file, or a list of them)."""
     if not path.is_file():
@@ -326,7 +355,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in chain:
         raise ConfigError(f"{path}: 'base' inheritance loops through {' -> '.join(map(str, chain))}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _load_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):
@@ -420,7 +449,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form section.key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = _load_yaml(raw, f"override {text!r}") if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_first_line(e)})") from e
     return key.strip().split("."), _yaml_numbers(value)
 
 
@@ -441,6 +473,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg = _build(Config, _yaml_numbers(data), "", source)
     validate(cfg, source)
     return cfg
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _yaml_numbers(obj):
@@ -465,6 +501,9 @@ def validate(cfg: Config, source: str = "<config>") -> None:
     def fail(key: str, value, allowed: str):
         raise ConfigError(f"{source}: {key} = {value!r} is not allowed; {allowed}")
 
+    for key, value in _float_fields(cfg):  # 5e400 parses as inf, .nan as NaN: a run would train on them
+        if not math.isfinite(value):
+            fail(key, value, "must be a finite number")
     m, d, o, s, p, dist = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.parallel, cfg.distill
     if m.name not in MODELS:
         fail("model.name", m.name, "known models: " + ", ".join(MODELS))
@@ -578,6 +617,18 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("log.every_steps", cfg.log.every_steps, "must be >= 1")
     if cfg.run.eval_every_epochs < 1:
         fail("run.eval_every_epochs", cfg.run.eval_every_epochs, "must be >= 1")
+
+
+def _float_fields(node, prefix: str = ""):
+    """(dotted key, value) of every float in the config tree, tuples included (``optim.betas[1]``)."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _float_fields(value, key + ".")
+        elif isinstance(value, float):
+            yield key, value
+        elif isinstance(value, tuple):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
 
 
 def model_options(m: ModelConfig) -> dict:

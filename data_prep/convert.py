@@ -217,17 +217,72 @@ def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions,
 
 
 # -- entry point ------------------------------------------------------------------------------------
+OWNER = ".prep.json"
+"""Written into ``out`` before anything else: the folder is this command's output of that format, even before
+``manifest.json`` exists (an interrupted conversion resumes into it)."""
+
+WRITE_MODES = ("jpg", "raw", "proportion", "smart")
+
+
+def check_options(opts: PrepOptions) -> None:
+    """The options' ranges (the command line checks them too; library callers get the same one line)."""
+    checks = [
+        ("format", opts.fmt, opts.fmt in ("wds", "ffcv"), "wds or ffcv"),
+        ("--subset-fraction", opts.subset_fraction, 0 < opts.subset_fraction <= 1, "in (0, 1]"),
+        ("--jpeg-quality", opts.jpeg_quality, 1 <= opts.jpeg_quality <= 100, "in 1..100"),
+        ("--shard-size", opts.shard_size, opts.shard_size >= 1, ">= 1"),
+        ("--max-resolution", opts.max_resolution, opts.max_resolution >= 1, ">= 1"),
+        ("--workers", opts.workers, opts.workers >= 1, ">= 1"),
+        ("--write-mode", opts.write_mode, opts.write_mode in WRITE_MODES, "one of " + ", ".join(WRITE_MODES)),
+    ]
+    for name, value, ok, allowed in checks:
+        if not ok:
+            raise PrepError(f"prep {name} {value!r} is not allowed: must be {allowed}")
+
+
+def output_format(out: Path) -> str | None:
+    """The format of an earlier prep output in ``out`` (its manifest.json or marker), or None."""
+    for name in (MANIFEST, OWNER):
+        try:
+            fmt = json.loads((out / name).read_text()).get("format")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if fmt:
+            return fmt
+    return None
+
+
+def check_out(src: Path, out: Path, fmt: str) -> None:
+    """Refuse an output folder where writing would damage something: inside the source tree, a file, a folder
+    holding other files, or an earlier output of the other format. An earlier output of this format is
+    allowed: the conversion resumes there."""
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents:
+        raise PrepError(f"prep --out {out} is inside --src {src}: shards would be written into the source tree; "
+                        f"allowed: a folder outside --src")
+    if o.exists() and not o.is_dir():
+        raise PrepError(f"prep --out {out} is a file; allowed: a new or empty folder, or an earlier `prep {fmt}` "
+                        f"output to resume")
+    if not o.is_dir() or not any(o.iterdir()):
+        return
+    found = output_format(o)
+    if found is None:
+        raise PrepError(f"prep --out {out} is not empty and holds no prep output (no manifest.json): its files "
+                        f"would be overwritten; allowed: a new or empty folder, or an earlier `prep {fmt}` output")
+    if found != fmt:
+        raise PrepError(f"prep --out {out} holds a `prep {found}` output; `prep {fmt}` would mix formats there; "
+                        f"allowed: a new or empty folder, or an earlier `prep {fmt}` output")
+
+
 def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
     """Convert ``src`` (ImageNet-style) into ``out``; returns the manifest."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise PrepError(f"source folder not found: {src}")
-    if opts.fmt not in ("wds", "ffcv"):
-        raise PrepError(f"unknown format {opts.fmt!r}; allowed: wds, ffcv")
+    check_options(opts)
     classes = list_classes(src / "train")
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": opts.fmt, "source": str(src.resolve()), "options": asdict(opts),
-                "classes": classes, "splits": {}}
+    check_out(src, out, opts.fmt)
+    scanned = {}  # every split listed (no image read yet) before anything is written
     for split in opts.splits:
         if not (src / split).is_dir():
             if split == "train":
@@ -236,9 +291,21 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
         samples, problems = scan_split(src, split, classes, Path(opts.val_labels) if opts.val_labels else None,
                                        Path(opts.val_synsets) if opts.val_synsets else None)
         if split == "train":
-            samples = subsample(samples, opts.subset_fraction)
+            kept = subsample(samples, opts.subset_fraction)
+            if samples and not kept:
+                largest = max(_per_class([s.label for s in samples]).values())
+                raise PrepError(f"--subset-fraction {opts.subset_fraction:g} keeps no image of {src / split}: "
+                                f"floor(n_c * f) = 0 for every class (the largest has {largest}); allowed: "
+                                f"f >= {1 / largest:.3g}")
+            samples = kept
         if not samples:
             raise PrepError(f"no images found in {src / split}")
+        scanned[split] = samples, problems
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(out / OWNER, {"format": opts.fmt, "source": str(src.resolve())})
+    manifest = {"format": opts.fmt, "source": str(src.resolve()), "options": asdict(opts),
+                "classes": classes, "splits": {}}
+    for split, (samples, problems) in scanned.items():
         key = hashlib.sha256(json.dumps([asdict(opts), [(s.path, s.label) for s in samples]]).encode()).hexdigest()
         valid, skipped = _check_images(samples, out, split, opts.workers, key)
         skipped = problems + skipped
@@ -251,6 +318,8 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
             raise PrepError(f"no readable images in {src / split}")
         writer = _write_wds if opts.fmt == "wds" else _write_ffcv
         files = writer(valid, out, split, opts, key)
+        for name, rec in files.items():  # sizes let a training run refuse a missing or truncated file cheaply
+            rec["bytes"] = (out / name).stat().st_size
         manifest["splits"][split] = {
             "num_samples": len(valid), "per_class": _per_class([s.label for s in valid]),
             "files": files, "skipped": skipped,

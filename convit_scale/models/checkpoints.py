@@ -19,6 +19,21 @@ class CheckpointMismatch(ValueError):
     """A state dict whose keys or shapes do not match the model."""
 
 
+WEIGHTS_FILES = "a .safetensors file or a .pth/.pt/.bin state dict of tensors"
+"""What :func:`read_state_dict` reads, for error messages."""
+
+
+def _unreadable(e: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused a file, without torch's advice to load it unsafely."""
+    for line in str(e).splitlines():
+        if "Unsupported global:" in line:  # pickled Python objects that a weights-only load does not run
+            return "it pickles Python objects (" + line.split("Unsupported global:", 1)[1].split(" was not")[0].strip().removeprefix("GLOBAL ") + ")"
+    text = str(e)
+    if isinstance(e, (KeyError, EOFError)) or "weights_only" in text or "Weights only" in text:
+        return "not a torch checkpoint"  # torch's own text advises an unsafe load: not relayed
+    return f"{type(e).__name__}: {text}".splitlines()[0]
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` or ``.pth``/``.pt``/``.bin`` file into a flat state dict, safely."""
     path = Path(path)
@@ -30,18 +45,20 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+            raise ValueError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             f"allowed: {WEIGHTS_FILES}") from e
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path}: not a readable weights-only checkpoint ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{path}: not a weights file ({_unreadable(e)}; a weights-only read runs no pickled code); "
+                         f"allowed: {WEIGHTS_FILES}") from e
     # The official ConViT/DeiT releases wrap the weights: {"model": state_dict, ...}.
     for key in ("model", "state_dict", "module"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path}: does not hold a state dict of tensors")
+        raise ValueError(f"{path}: does not hold a state dict of tensors; allowed: {WEIGHTS_FILES}")
     return obj
 
 
@@ -82,6 +99,11 @@ def _is_square(n: int) -> bool:
     return n >= 0 and round(n**0.5) ** 2 == n
 
 
+def _first(items: list[str], sep: str, n: int = 8) -> str:
+    """The first ``n`` items: a wrong architecture's hundreds of keys would bury the line."""
+    return sep.join(items[:n]) + (f"{sep}... ({len(items) - n} more)" if len(items) > n else "")
+
+
 def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: str = "state dict") -> None:
     """Raise ``CheckpointMismatch`` naming every missing, unexpected or mis-shaped key."""
     expected = model.state_dict()
@@ -95,11 +117,11 @@ def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: 
     if missing or unexpected or shapes:
         parts = []
         if missing:
-            parts.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+            parts.append(f"missing keys ({len(missing)}): {_first(missing, ', ')}")
         if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+            parts.append(f"unexpected keys ({len(unexpected)}): {_first(unexpected, ', ')}")
         if shapes:
-            parts.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes)}")
+            parts.append(f"shape mismatches ({len(shapes)}): {_first(shapes, '; ')}")
         raise CheckpointMismatch(f"{what} does not match the model: " + " | ".join(parts))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,27 +32,57 @@ def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def export(checkpoint_dir: Path, out: Path) -> Path:
-    """Write ``out`` (.safetensors) with the model weights and the run's model config as metadata."""
+    """Write ``out`` (.safetensors) with the model weights and the run's model config as metadata.
+
+    Refused before any work: another suffix (``eval`` reads a file by its suffix) or an existing folder. On
+    failure nothing is left behind: no temporary file, no folder this call created."""
     from safetensors.torch import save_file
 
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    if not (checkpoint_dir / "meta.json").is_file():
+        raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
+    if out.suffix != ".safetensors":
+        raise ValueError(f"export --out {out}: export writes safetensors; allowed: a file name ending in .safetensors")
+    if out.is_dir():
+        raise ValueError(f"export --out {out} is an existing folder; allowed: a file name ending in .safetensors")
     state = consolidate(checkpoint_dir)
-    meta = json.loads((Path(checkpoint_dir) / "meta.json").read_text())
-    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = json.loads((checkpoint_dir / "meta.json").read_text())
+    created = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder made here
     tmp = out.with_name(out.name + ".tmp")
-    save_file(state, str(tmp), metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp), metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     return out
+
+
+CHECKPOINTS = "a run checkpoint folder (with meta.json), an exported .safetensors file, or a weights file"
+"""What :func:`load_trained_model` reads, for error messages."""
 
 
 def _model_section(path: Path) -> dict | None:
     """The run's model config: from a checkpoint's meta.json or an exported file's metadata."""
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}; allowed: {CHECKPOINTS}")
     if path.is_dir():
+        if not (path / "meta.json").is_file():
+            raise FileNotFoundError(f"{path}: a folder but not a complete run checkpoint (no meta.json); "
+                                    f"allowed: {CHECKPOINTS}")
         return json.loads((path / "meta.json").read_text())["config"]["model"]
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # safetensors' own error types for a file that is not one
+            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}); "
+                             f"allowed: {CHECKPOINTS}") from e
         return json.loads(meta["model"]) if "model" in meta else None
     return None
 
@@ -63,8 +94,10 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
 
     path = Path(path)
     section = _model_section(path)
+    state = None if path.is_dir() else read_state_dict(path)  # a file that holds no weights is named as such
     if section is None and name is None:
-        raise ValueError(f"{path}: holds no model config; pass the model name (--model)")
+        raise ValueError(f"{path}: weights without a model config (not an exported run checkpoint); "
+                         f"pass the model name (--model)")
     m = ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in (section or {}).items()})
     if name is not None:
         m.name = name
@@ -72,5 +105,5 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
         m.num_classes = num_classes
     opts = {**model_options(m), "drop_path_rate": 0.0}
     model = create_model(m.name, **opts)
-    load_pretrained(model, consolidate(path) if path.is_dir() else read_state_dict(path))
+    load_pretrained(model, consolidate(path) if state is None else state)
     return model.eval()
