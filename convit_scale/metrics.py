@@ -18,8 +18,16 @@ def read_records(run_dir: str | Path, kind: str | None = None) -> list[dict]:
     path = Path(run_dir) / FILENAME
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in map(_parse, path.read_text().splitlines()) if r is not None]
     return records if kind is None else [r for r in records if r.get("kind") == kind]
+
+
+def _parse(line: str) -> dict | None:
+    """One record; None for a blank line or one torn by a crash in the middle of a write."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def truncate_after(run_dir: str | Path, step: int) -> None:
@@ -29,7 +37,7 @@ def truncate_after(run_dir: str | Path, step: int) -> None:
     if not path.is_file():
         return
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    keep = [line for line in lines if (_parse(line) or {"step": math.inf}).get("step", 0) <= step]
     if len(keep) == len(lines):
         return
     tmp = path.with_name(FILENAME + ".tmp")

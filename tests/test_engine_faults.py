@@ -167,3 +167,42 @@ def test_sharded_epoch_analysis_on_two_ranks_equals_one_rank(fm_tree, tmp_path):
     assert one["analysis_images"] == two["analysis_images"] == 200  # the whole (small) validation split
     assert len(one["nonlocality"]) == 3 and all(abs(a - b) < 1e-4 for a, b in zip(one["nonlocality"], two["nonlocality"]))
     assert all(abs(a - b) < 1e-5 for la, lb in zip(one["gating"], two["gating"]) for a, b in zip(la, lb))
+
+
+def test_a_crash_between_the_two_renames_of_a_same_step_save_loses_nothing(tmp_path):
+    """step_N was moved to step_N.old and the crash came before step_N.tmp became step_N: resume finds it."""
+    from convit_scale.train.checkpoint import choose_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for name, meta in (("step_000000002", True), ("step_000000004.old", True), ("step_000000004.tmp", False),
+                       ("step_000000006.tmp", False)):
+        (root / name).mkdir(parents=True)
+        if meta:
+            (root / name / "meta.json").write_text(json.dumps({"step": int(name[5:14])}))
+    assert choose_checkpoint(root, "auto") == root / "step_000000004"  # the old one put back, half-written ones gone
+    assert sorted(p.name for p in root.iterdir()) == ["step_000000002", "step_000000004"]
+    (root / "step_000000004").rename(root / "step_000000004.old")
+    (root / "step_000000004.tmp").mkdir()
+    (root / "step_000000004.tmp" / "meta.json").write_text("{}")  # the new one was complete: it is published
+    assert choose_checkpoint(root, "auto") == root / "step_000000004"
+    assert not (root / "step_000000004.old").exists() and (root / "step_000000004" / "meta.json").read_text() == "{}"
+
+
+def test_zero_state_is_not_resumed_on_another_world_size(tmp_path):
+    from convit_scale.train.checkpoint import CheckpointIncompatible, check_compatible
+
+    meta = {"strategy": "zero3", "model": "convit_tiny", "global_batch_size": 32, "world_size": 4}
+    expected = {"strategy": "zero3", "model": "convit_tiny", "global_batch_size": 32}
+    check_compatible(tmp_path, meta, {**expected, "world_size": 4})
+    with pytest.raises(CheckpointIncompatible, match="partitioned over 4 ranks, the run has 2"):
+        check_compatible(tmp_path, meta, {**expected, "world_size": 2})
+    check_compatible(tmp_path, {**meta, "strategy": "fsdp2"}, {**expected, "strategy": "fsdp2", "world_size": 2})
+
+
+def test_a_line_torn_by_a_crash_does_not_block_reading_or_resuming(tmp_path):
+    from convit_scale.metrics import read_records, truncate_after
+
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n{"kind": "tr')
+    assert [r["step"] for r in read_records(tmp_path, "train")] == [1, 2]
+    truncate_after(tmp_path, 1)
+    assert [r["step"] for r in read_records(tmp_path)] == [1]

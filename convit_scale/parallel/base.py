@@ -50,6 +50,11 @@ class Strategy:
         with self.autocast():
             return self.wrapped(x)
 
+    def micro_batch(self, is_last_micro: bool):
+        """A context around one micro-batch's forward and backward: where gradients are reduced only on the last
+        micro-batch of a step and the wrapper decides that in forward (DDP), it must hold both."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, is_last_micro: bool, grad_accum: int) -> None:
         raise NotImplementedError
 

@@ -29,12 +29,14 @@ class DDPStrategy(DCPStateMixin, Strategy):
         self.scaler = torch.amp.GradScaler(self.device.type) if self.p.precision == "fp16" else None
         self.scales_loss = self.scaler is not None
 
-    def backward(self, loss, is_last_micro, grad_accum):
+    def micro_batch(self, is_last_micro):
+        # DDP prepares its reducer in forward: no_sync must hold the forward too, or every micro-batch all-reduces
         ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)  # under torch.compile
-        sync = contextlib.nullcontext() if is_last_micro or not isinstance(ddp, DDP) else ddp.no_sync()
-        with sync:
-            loss = loss / grad_accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return contextlib.nullcontext() if is_last_micro or not isinstance(ddp, DDP) else ddp.no_sync()
+
+    def backward(self, loss, is_last_micro, grad_accum):
+        loss = loss / grad_accum
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def clip_gradients(self):
         if self.scaler:

@@ -58,7 +58,8 @@ def choose_checkpoint(root: Path, resume: str) -> Path | None:
     choice = None
     if comm.rank() == 0:
         if root.is_dir():
-            for stale in root.glob(f"{PREFIX}*.tmp"):
+            _recover_interrupted_swaps(root)
+            for stale in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
         choice = latest_checkpoint(root) if resume == "auto" else (None if resume == "none" else Path(resume))
         choice = None if choice is None else str(choice)
@@ -66,15 +67,30 @@ def choose_checkpoint(root: Path, resume: str) -> Path | None:
     return None if choice is None else Path(choice)
 
 
+def _recover_interrupted_swaps(root: Path) -> None:
+    """A crash between the two renames of a same-step save (``step_N`` -> ``.old``, ``.tmp`` -> ``step_N``) leaves no
+    ``step_N``: publish the complete new one (fsynced, with meta.json) or else put the old one back."""
+    for side in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old")]:  # a complete new one first
+        final = side.with_suffix("")
+        if not final.exists() and (side / "meta.json").is_file():
+            os.replace(side, final)
+
+
 def check_compatible(path: Path, meta: dict, expected: dict) -> None:
     """Refuse a checkpoint whose strategy, model or global batch differs from the recipe's, naming both."""
     for key, what in (("strategy", "parallel.strategy"), ("model", "model.name"),
                       ("global_batch_size", "data.global_batch_size")):
         saved = meta.get(key, meta.get("config", {}).get("data", {}).get(key) if key == "global_batch_size" else None)
-        if saved is not None and saved != expected[key]:
+        if saved is not None and key in expected and saved != expected[key]:
             raise CheckpointIncompatible(
                 f"checkpoint {path} was written with {what} = {saved!r}, the recipe has {expected[key]!r}: resume with "
                 f"the same {what}, or start a new run (another run.output_dir, or checkpoint.resume=none)")
+    world = expected.get("world_size")
+    if world is not None and str(meta.get("strategy", "")).startswith("zero") and meta.get("world_size") != world:
+        raise CheckpointIncompatible(
+            f"checkpoint {path} holds DeepSpeed ZeRO state partitioned over {meta.get('world_size')} ranks, the run has "
+            f"{world}: DeepSpeed does not repartition it; resume on {meta.get('world_size')} ranks (or use fsdp2, "
+            f"whose checkpoints reshard)")
 
 
 def _fsync_tree(path: Path) -> None:

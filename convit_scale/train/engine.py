@@ -192,7 +192,7 @@ def _resume_point(cfg: Config, out: Path) -> tuple[Path | None, dict | None]:
         return None, None
     meta = read_meta(path)
     check_compatible(path, meta, {"strategy": cfg.parallel.strategy, "model": cfg.model.name,
-                                  "global_batch_size": cfg.data.global_batch_size})
+                                  "global_batch_size": cfg.data.global_batch_size, "world_size": comm.world_size()})
     return path, meta
 
 
@@ -271,21 +271,8 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     micro_batches = _listing_bad(micro_batches, bad_samples)
     m = -1
     for m, batch in enumerate(micro_batches):
-        x, y = batch
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-        if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
-            x = augment_batch(x, batch.seeds, run.device_augment)
-        target = y
-        if run.mixup is not None:
-            x, target = run.mixup(x, y)
-        out = strategy.forward(x)  # a (class, distillation) pair with a distillation token
-        logits = tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
-        loss = run.criterion(x, logits, target)
-        if run.faults is not None:
-            loss = run.faults.apply(loss, state.step, m)
-        stats[0] += loss.detach()
-        stats[1] += (~torch.isfinite(loss.detach())).double()
-        strategy.backward(loss, is_last_micro=m == run.accum - 1, grad_accum=run.accum)
+        with strategy.micro_batch(is_last_micro=m == run.accum - 1):
+            _micro_step(run, state, batch, m, stats)
         state.batch_in_epoch += 1
     if m + 1 != run.accum:
         raise DataError(f"the training loader ended {run.accum - m - 1} micro-batch(es) early in epoch {state.epoch} "
@@ -311,6 +298,26 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     bad = bool(bad_loss or bad_norm)
     return StepResult(stats[0] / (run.accum * ctx.world_size), None if bad or not math.isfinite(grad_norm) else grad_norm,
                       bad, stop > 0, lr, bad_samples)
+
+
+def _micro_step(run: Run, state: TrainState, batch, m: int, stats: torch.Tensor) -> None:
+    """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
+    ctx = run.ctx
+    x, y = batch
+    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+    if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
+        x = augment_batch(x, batch.seeds, run.device_augment)
+    target = y
+    if run.mixup is not None:
+        x, target = run.mixup(x, y)
+    out = run.strategy.forward(x)  # a (class, distillation) pair with a distillation token
+    logits = tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+    loss = run.criterion(x, logits, target)
+    if run.faults is not None:
+        loss = run.faults.apply(loss, state.step, m)
+    stats[0] += loss.detach()
+    stats[1] += (~torch.isfinite(loss.detach())).double()
+    run.strategy.backward(loss, is_last_micro=m == run.accum - 1, grad_accum=run.accum)
 
 
 def _listing_bad(micro_batches, into: list):
@@ -470,8 +477,12 @@ def fit(run: Run, state: TrainState) -> str:
     with _progress(run.ctx.is_main and cfg.log.progress) as progress:
         task = progress.add_task("train", total=run.total_steps, completed=state.step, info="")
         while state.step < run.total_steps:
-            if state.batch_in_epoch // run.accum >= run.steps_per_epoch:  # the epoch was finished before a resume
+            if state.batch_in_epoch // run.accum >= run.steps_per_epoch:
+                # saved after the epoch's last step but before its evaluation (a stop signal, an every_steps
+                # checkpoint): evaluate it now; an epoch checkpoint is saved after its evaluation, at the next epoch
+                end_of_epoch(run, state, state.epoch)
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                _periodic_save(run, state, cfg.checkpoint.every_epochs, state.epoch, "epoch")
                 continue
             for micro_batches in steps_of_epoch(run, state):
                 res = train_step(run, state, micro_batches)

@@ -203,7 +203,9 @@ def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, 
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "convit_scale.train",
            *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PET_SHUTDOWN_TIMEOUT": os.environ.get("STOP_GRACE_S", "300"), **(env or {})}
+           "PET_SHUTDOWN_TIMEOUT": os.environ.get("STOP_GRACE_S", "300"),
+           # Slurm may signal torchrun itself with USR1 (the whole step is signalled): torch >= 2.9 then forwards it
+           "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", **(env or {})}
     if marker is not None:
         marker.unlink(missing_ok=True)
     out = subprocess.DEVNULL if quiet else None

@@ -29,11 +29,12 @@ class TrainState:
     def to_meta(self, accum: int, world_size: int) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "step_in_epoch": self.batch_in_epoch // accum, "world_size": world_size,
-                "skipped_steps": self.skipped_steps, "best": self.best}
+                "skipped_steps": self.skipped_steps, "consecutive_bad": self.consecutive_bad, "best": self.best}
 
     @classmethod
     def from_meta(cls, meta: dict, accum: int, world_size: int) -> "TrainState":
         # The same world size continues at the same micro-batch; another one at the same optimizer step.
         same_world = meta["world_size"] == world_size
         return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0), best=meta.get("best"),
+                   consecutive_bad=meta.get("consecutive_bad", 0),
                    batch_in_epoch=meta["batch_in_epoch"] if same_world else meta["step_in_epoch"] * accum)
