@@ -138,6 +138,10 @@ def check_world(cfg, world_size: int) -> tuple[int, int]:
     if cfg.parallel.strategy == "none" and world_size > 1:
         raise ValueError(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
                          f"gradient sync: choose ddp, fsdp2 or zero1/2/3, or run one process")
+    if cfg.parallel.strategy.startswith("zero") and cfg.parallel.precision == "fp16" and not torch.cuda.is_available() \
+            and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        raise ValueError("parallel.precision = 'fp16' with DeepSpeed needs a GPU or a CPU with fp16 support "
+                         "(AVX512-FP16/AMX), which this one lacks: use bf16 or fp32 here")
     micro, accum = solve_batch(cfg.data.global_batch_size, world_size, cfg.data.micro_batch_size)
     if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
         raise ValueError(f"Mixup/CutMix need an even micro-batch; {micro} per rank here (data.micro_batch_size, "
