@@ -2,6 +2,7 @@
 are replaced deterministically, listed and counted, and too many stop the run naming the shard or file."""
 
 import io
+import json
 import shutil
 import tarfile
 
@@ -59,7 +60,19 @@ def broken_wds(fm_wds, tmp_path):
         corrupt = [m.name for m in tar if m.name.endswith(".jpg")][2]
     _rewrite_shard(shards[0], lambda name, data: data[: len(data) // 2] if name == corrupt else data)
     truncated = _truncate_last_jpeg(shards[1])
+    _record_sizes(out)
     return out, {(str(shards[0]), corrupt.rsplit(".", 1)[0]): "undecodable", (str(shards[1]), truncated): "truncated"}
+
+
+def _record_sizes(folder):
+    """Damage that keeps the manifest's sizes (bit rot in place, a remote copy): preflight, which compares sizes
+    before training, cannot see it, and the loader meets it during training."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for info in manifest["splits"].values():
+        for name, rec in info["files"].items():
+            if "bytes" in rec:
+                rec["bytes"] = (folder / name).stat().st_size
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _epoch(loader, epoch=0, start_batch=0):
@@ -148,6 +161,7 @@ def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, t
         with tarfile.open(shard) as tar:
             victim = [m.name for m in tar if m.name.endswith(".jpg")][0]
         _rewrite_shard(shard, lambda name, data, victim=victim: b"not a jpeg" if name == victim else data)
+    _record_sizes(path)
     d = DataConfig(format="wds", train_path=str(path), val_path=str(path), global_batch_size=32, num_workers=0,
                    repeated_aug=1)
     loader = build_loader(d, LoaderSpec("train", MODELS["convit_nano"].img_size, 32))
