@@ -119,6 +119,8 @@ class DataConfig:
     """Label smoothing of the targets."""
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     """Resize interpolation of RandomResizedCrop and of the eval resize."""
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    """RandomResizedCrop's range of the crop's area as a fraction of the image (DeiT's 0.08-1)."""
     eval_crop_ratio: float = 0.875
     """Eval: resize to img_size / ratio (256 for 224), then centre-crop img_size."""
     open_retries: int = 3
@@ -532,6 +534,8 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("data.label_smoothing", d.label_smoothing, "must be in [0, 1)")
     if d.mixup < 0 or d.cutmix < 0 or d.color_jitter < 0:
         fail("data.mixup/cutmix/color_jitter", (d.mixup, d.cutmix, d.color_jitter), "must be >= 0")
+    if not 0.0 < d.crop_scale[0] <= d.crop_scale[1] <= 1.0:
+        fail("data.crop_scale", list(d.crop_scale), "[min, max] with 0 < min <= max <= 1")
     if not 0.0 < d.eval_crop_ratio <= 1.0:
         fail("data.eval_crop_ratio", d.eval_crop_ratio, "must be in (0, 1]")
     for key in ("open_retries", "max_bad_samples"):

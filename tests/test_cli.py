@@ -98,3 +98,12 @@ def test_resume_flag_is_the_checkpoint_resume_override(fm_tree, tmp_path):
                   "schedule.max_steps=3")
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {step1} at step 1" in res.stdout
+
+
+def test_tables_written_to_a_file_keep_their_headers(capsys):
+    """Not a terminal (a file, a Slurm log): the table is as wide as it needs, no header cut to "par…"."""
+    from convit_scale.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "params (M)" in out and "GPSA layers" in out and "…" not in out

@@ -9,7 +9,7 @@ from .argtypes import fraction, positive_float, positive_int, recipe
 
 
 def _cmd_plan(args) -> int:
-    from rich.console import Console
+    from ..console import console
     from rich.table import Table
 
     from ..config import load_config
@@ -29,7 +29,7 @@ def _cmd_plan(args) -> int:
                   str(r["max_micro_batch"]),
                   "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}",
                   f"{r['step_s']:.3f}", f"{r['gpu_hours']:.0f}", f"{r['wall_clock_h']:.1f}")
-    Console().print(t)
+    console().print(t)
     if cfg.data.global_batch_size % world:
         print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
     cpus = args.cpus_per_gpu or _default_cpus_per_gpu(args.gpus_per_node)

@@ -122,8 +122,8 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
     (cyclically) that decodes, cropped and flipped with its own seed, and its id is marked ``REPLACED`` in place
     (ffcv passes the traversal order's own memory), where FfcvLoader finds it to fix the label and list it."""
 
-    def __init__(self, output_size, flip_prob: float):
-        super().__init__(output_size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+    def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0)):
+        super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
         self.flip_prob = flip_prob
 
     def generate_code(self):
@@ -230,14 +230,15 @@ class FfcvLoader:
             return [CenterCropRGBImageDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
         if on_device:  # uint8 crops; RandAugment, normalisation and erasing run on the training device
-            return [SeededCropFlipDecoder((size, size), d.hflip), ToTensor(), ToTorchImage(channels_last=False)]
+            return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), ToTensor(),
+                    ToTorchImage(channels_last=False)]
         from timm.data import create_transform
 
         _, secondary, final = create_transform(
             input_size=size, is_training=True, hflip=0.0, color_jitter=d.color_jitter,
             auto_augment=d.rand_augment, interpolation=d.interpolation, re_prob=d.reprob,
             re_mode="pixel", re_count=1, separate=True)
-        return [SeededCropFlipDecoder((size, size), d.hflip), PrivateTimmStage(PrivateAugment(secondary, final), size)]
+        return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), PrivateTimmStage(PrivateAugment(secondary, final), size)]
 
     def _ffcv_loader(self) -> Loader:
         """Built once: each ffcv Loader compiles its pipeline with numba (seconds)."""

@@ -25,11 +25,11 @@ from ..config import DataConfig
 def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False):
     """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor."""
     if on_device:
-        primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=(0.08, 1.0), hflip=d.hflip,
+        primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale), hflip=d.hflip,
                                          interpolation=d.interpolation, separate=True)
         return Compose([*primary.transforms, MaybePILToTensor()])
     return create_transform(
-        input_size=img_size, is_training=True, scale=(0.08, 1.0), hflip=d.hflip,
+        input_size=img_size, is_training=True, scale=tuple(d.crop_scale), hflip=d.hflip,
         color_jitter=d.color_jitter, auto_augment=d.rand_augment, interpolation=d.interpolation,
         re_prob=d.reprob, re_mode="pixel", re_count=1,
     )

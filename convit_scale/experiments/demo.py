@@ -10,6 +10,8 @@ A second run does not redo finished work: conversions are skipped and a finished
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -49,9 +51,22 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
     return table
 
 
+@contextlib.contextmanager
+def _quiet_tqdm():
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
+
+
 def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int = 2, epochs: int | None = None,
-             train_per_class: int = 1000, val_per_class: int = 200, extra: list[str] | None = None) -> dict:
-    from rich.console import Console
+             train_per_class: int = 2000, val_per_class: int = 200, extra: list[str] | None = None) -> dict:
+    from ..console import console as make_console
 
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
@@ -61,7 +76,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     from ..train.export import load_trained_model
     from ..train.launch import run_recipe
 
-    console = Console()
+    console = make_console()
     out = out.resolve()
     seconds: dict[str, float] = {}
     t0 = time.time()
@@ -77,7 +92,8 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     console.rule("1/3 data: Fashion-MNIST -> ImageFolder tree -> WebDataset shards and FFCV")
     tree = build_tree(prepared["imagefolder"], {"train": train_per_class, "val": val_per_class})
     for fmt in ("wds", "ffcv"):
-        prepare(tree, prepared[fmt], PrepOptions(fmt=fmt, shard_size=500, workers=2))
+        with _quiet_tqdm():  # FFCV's writer draws a tqdm bar of its own inside the demo's output
+            prepare(tree, prepared[fmt], PrepOptions(fmt=fmt, shard_size=500, workers=2))
     seconds["data"] = time.time() - t0
 
     console.rule(f"2/3 train: the demo recipe (recipes/cpu/demo.yaml), {strategy}, {nproc} process(es), {loader} loader")
