@@ -94,7 +94,7 @@ def test_train_stop_resume_eval_export_bf16(strategy, tree, tmp_path):
     os.killpg(proc.pid, signal.SIGUSR1)  # Slurm's pre-timeout signal
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 75, out[-4000:]
-    assert f"on cuda (nccl" in out and f"world {NPROC}" in out
+    assert "on cuda (nccl" in out and f"world {NPROC}" in out
     step = _records(run, "stopped")[0]["step"]
     res = _cli("train", "--recipe", r, "--nproc-per-node", NPROC, f"schedule.max_steps={step + 6}")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
