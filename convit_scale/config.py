@@ -506,7 +506,7 @@ def validate(cfg: Config, source: str = "<config>") -> None:
     for key, value in _float_fields(cfg):  # 5e400 parses as inf, .nan as NaN: a run would train on them
         if not math.isfinite(value):
             fail(key, value, "must be a finite number")
-    m, d, o, s, p, dist = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.parallel, cfg.distill
+    m, d, o, s, p, kd = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.parallel, cfg.distill
     if m.name not in MODELS:
         fail("model.name", m.name, "known models: " + ", ".join(MODELS))
     spec = MODELS[m.name]
@@ -599,17 +599,17 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("parallel.meta_init", True, "needs parallel.strategy = 'fsdp2'")
     if p.timeout_s < 10:
         fail("parallel.timeout_s", p.timeout_s, "must be >= 10")
-    if dist.enabled and not dist.teacher_checkpoint:
-        fail("distill.teacher_checkpoint", dist.teacher_checkpoint, "a local teacher weights file is required when distill.enabled")
-    if not 0.0 <= dist.alpha <= 1.0:
-        fail("distill.alpha", dist.alpha, "must be in [0, 1]")
-    if dist.tau <= 0:
-        fail("distill.tau", dist.tau, "must be > 0")
+    if kd.enabled and not kd.teacher_checkpoint:
+        fail("distill.teacher_checkpoint", kd.teacher_checkpoint, "a local teacher weights file is required when distill.enabled")
+    if not 0.0 <= kd.alpha <= 1.0:
+        fail("distill.alpha", kd.alpha, "must be in [0, 1]")
+    if kd.tau <= 0:
+        fail("distill.tau", kd.tau, "must be > 0")
     if cfg.log.analysis_images < 0:
         fail("log.analysis_images", cfg.log.analysis_images, "must be >= 0 (0 turns the analysis off)")
-    if dist.teacher_min_top1 is not None and not 0.0 <= dist.teacher_min_top1 <= 100.0:
-        fail("distill.teacher_min_top1", dist.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
-    if m.distill_token and not dist.enabled:
+    if kd.teacher_min_top1 is not None and not 0.0 <= kd.teacher_min_top1 <= 100.0:
+        fail("distill.teacher_min_top1", kd.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
+    if m.distill_token and not kd.enabled:
         fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
     if cfg.checkpoint.keep_last < 1:
         fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
