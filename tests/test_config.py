@@ -3,7 +3,7 @@
 import pytest
 
 from convit_scale.cli import main
-from convit_scale.config import Config, ConfigError, field_docs, load_config
+from convit_scale.config import RECIPES, Config, ConfigError, field_docs, load_config
 
 
 def _write(path, text):
@@ -86,3 +86,15 @@ def test_config_command_prints_resolved_yaml_and_refuses_bad_keys(tmp_path, caps
     assert "name: deit_small" in out and "base_lr: 0.001" in out
     assert main(["config", str(f), "optim.bad=1"]) == 2
     assert "unknown key 'optim.bad'" in capsys.readouterr().err
+
+
+def test_crop_scale_reaches_the_random_resized_crop():
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+
+    from convit_scale.data.transforms import build_train_transform
+
+    d = load_config(RECIPES / "cpu" / "demo.yaml").data
+    for on_device in (False, True):
+        crops = [t for t in build_train_transform(d, 32, on_device=on_device).transforms
+                 if isinstance(t, RandomResizedCropAndInterpolation)]
+        assert len(crops) == 1 and tuple(crops[0].scale) == (0.35, 1.0)
