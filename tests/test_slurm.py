@@ -141,7 +141,8 @@ def test_stale_marker_does_not_requeue_a_job_that_fails_at_start_up(slurm, fm_tr
     text = log.read_text()
     assert info["JobState"] == "FAILED" and info.get("Restarts") == "0", (info, text[-3000:])
     assert "checkpoint.resume: /nonexistent is not a complete checkpoint" in text
-    assert "requeueing" not in text and "== training exited with status 1" in text
+    # refused before training (preflight: exit 2) or failing at start-up (exit 1): either way, not requeued
+    assert "requeueing" not in text and ("== training exited with status 1" in text or "== training exited with status 2" in text)
     assert not (out / "STOPPED_FOR_REQUEUE").exists()
     assert "== CPUs per rank 2 (--cpus-per-task=2 per task), OMP_NUM_THREADS=2" in text
 
