@@ -75,3 +75,16 @@ def test_abandoned_epochs_leave_no_thread(fm_ffcv):
     next(it)
     it.close()
     assert threading.active_count() == baseline, threading.enumerate()
+
+
+def test_decoder_threads_are_the_workers_only(fm_ffcv):
+    """The decoders' threads scale with num_workers (bench data): numba's prange on OpenMP, and OpenCV's resize
+    without a pool of its own inside each of them (one thread per core per worker otherwise)."""
+    import os
+
+    import numba
+
+    loader = _loader(fm_ffcv, workers=2)
+    _take(loader.epoch(0), 1)
+    assert numba.threading_layer() == "omp"
+    assert os.environ["OPENCV_FOR_THREADS_NUM"] == "1"

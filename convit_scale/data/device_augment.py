@@ -525,6 +525,7 @@ def _check_batch(x: torch.Tensor) -> None:
 def normalize(x: torch.Tensor, cfg: DeviceAugmentConfig | None = None) -> torch.Tensor:
     """ToTensor + Normalize of a uint8 batch (B, 3, H, W) -> float32, as torchvision computes them."""
     _check_batch(x)
+    x = x.contiguous()  # FFCV's crops arrive channels-last: transposed here, on the device, not in the loader
     cfg = cfg or DeviceAugmentConfig()
     mean = torch.tensor(cfg.mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
     std = torch.tensor(cfg.std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
@@ -586,6 +587,7 @@ def augment_batch(x: torch.Tensor, seeds: torch.Tensor, cfg: DeviceAugmentConfig
         got = (f"dtype={seeds.dtype}, shape={tuple(seeds.shape)}" if isinstance(seeds, torch.Tensor)
                else type(seeds).__name__)
         raise ValueError(f"seeds must be an int64 tensor of shape ({x.shape[0]},), one per image; got {got}")
+    x = x.contiguous()  # FFCV's crops arrive channels-last: transposed here, on the device, not in the loader
     cfg = cfg or DeviceAugmentConfig()
     plan = sample_plan(seeds, cfg, x.shape[2], x.shape[3])
     if cfg.policy is not None:

@@ -13,7 +13,11 @@ import queue
 from dataclasses import replace
 from pathlib import Path
 
-import numba
+from .ffcv_threads import configure
+
+configure()  # before the first import of ffcv: its threads and OpenCV's
+
+import numba  # noqa: E402
 
 import numpy as np
 import torch
@@ -229,9 +233,8 @@ class FfcvLoader:
         if not self.spec.train:
             return [CenterCropRGBImageDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
-        if on_device:  # uint8 crops; RandAugment, normalisation and erasing run on the training device
-            return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), ToTensor(),
-                    ToTorchImage(channels_last=False)]
+        if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
+            return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), ToTensor(), ToTorchImage()]
         from timm.data import create_transform
 
         _, secondary, final = create_transform(
@@ -274,7 +277,9 @@ class FfcvLoader:
     def _batches(self, it, order: np.ndarray):
         first = 0
         for images, labels in it:
-            # ffcv reuses its output buffers: copy what leaves the loader.
+            # ffcv reuses its output buffers: copy what leaves the loader. In device-augmentation mode the images
+            # stay channels-last (NCHW over the decoder's NHWC memory): a plain copy here, and the transposition
+            # happens on the training device (device_augment), not in this thread, which every batch passes through.
             images, labels = images.clone(), labels.clone().long()
             views = order[first:first + len(labels)]  # the decoder marked replaced views before ffcv queued the batch
             first += len(labels)
