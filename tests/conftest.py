@@ -66,6 +66,25 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
                           timeout=timeout, cwd=REPO)
 
 
+def run_ranks(recipe: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    """The recipe on ``nproc`` local ranks started by torchrun: ``python -m convit_scale.train``, the entry point
+    that torchrun, srun and accelerate launch (rank 0 runs the preflight). The same run as ``convit-scale train
+    --nproc-per-node``, without that command's own process, whose start-up (importing torch and timm, ~7 s on
+    2 cores) comes before the ranks'; the tests of the command itself (refusals before any process, signals,
+    exit statuses) use ``run_cli``."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(ranks_cmd(recipe, *overrides, nproc=nproc), capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+
+
+def ranks_cmd(recipe: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    from convit_scale.train.distributed import free_port
+
+    return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "-m", "convit_scale.train", "--recipe", str(recipe), *overrides]
+
+
 def records(out: Path, kind: str = "train") -> list[dict]:
     return read_records(out, kind)
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import PY, REPO, losses, records, run_cli, tiny_recipe
+from conftest import REPO, losses, records, ranks_cmd, run_cli, run_ranks, tiny_recipe
 from convit_scale.config import ScheduleConfig
 from convit_scale.models import create_model
 from convit_scale.train.distributed import solve_batch
@@ -72,24 +72,22 @@ def reference_losses(fm_tree, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,micro,extra", [
-    ("ddp", None, {}),
-    ("fsdp2", None, {}),
+    ("ddp", None, {}),  # plain FSDP2 against the reference: test_fsdp2_resumes_from_two_ranks_onto_one
     ("fsdp2", 8, {"activation_checkpointing": True, "reshard_after_forward": False}),  # accumulation 2
     ("fsdp2", None, {"hsdp_replicas": 2}),  # HSDP: replicate across 2 groups of 1 shard
     ("fsdp2", None, {"meta_init": True, "activation_checkpointing": True}),
     ("zero1", None, {}),
     ("zero2", 8, {}),  # DeepSpeed's own gradient accumulation
-    ("zero3", None, {}),
-    ("zero3", None, {"zero_bucket_elements": 8000}),  # several optimizer sub-groups per rank
+    ("zero3", None, {"zero_bucket_elements": 8000}),  # ZeRO-3 with several optimizer sub-groups per rank
     ("zero3", None, {"zero_offload": True}),  # optimizer on the host: DeepSpeed's CPU Adam
     ("fsdp2", None, {"compile": True, "activation_checkpointing": True}),
-], ids=["ddp", "fsdp2", "fsdp2-accum-ckpt", "hsdp", "fsdp2-meta", "zero1", "zero2-accum", "zero3", "zero3-subgroups",
+], ids=["ddp", "fsdp2-accum-ckpt", "hsdp", "fsdp2-meta", "zero1", "zero2-accum", "zero3-subgroups",
         "zero3-offload", "fsdp2-compile-ckpt"])
 def test_two_ranks_match_single_process(fm_tree, tmp_path, reference_losses, strategy, micro, extra):
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT,
                     data={**NO_MIX, "micro_batch_size": micro}, parallel={"strategy": strategy, **extra},
                     schedule={"max_steps": 4})
-    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    res = run_ranks(r)
     assert res.returncode == 0, res.stderr[-3000:]
     accum = 1 if micro is None else 16 // micro
     assert f"micro {micro or 16} x accumulation {accum} x world 2" in res.stdout
@@ -107,10 +105,10 @@ def _assert_resume_is_bit_identical(tmp_path, fmt, data_dir, stop, total, **kw):
     the same per-step losses, bit for bit (fp32 on CPU)."""
     kw["checkpoint"] = {"every_steps": stop}
     full = tiny_recipe(tmp_path / "a.yaml", fmt, data_dir, tmp_path / "a", schedule={"max_steps": total}, **kw)
-    assert run_cli("train", "--recipe", str(full), "--nproc-per-node", "2").returncode == 0
+    assert run_ranks(full).returncode == 0
     part = tiny_recipe(tmp_path / "b.yaml", fmt, data_dir, tmp_path / "b", schedule={"max_steps": stop}, **kw)
-    assert run_cli("train", "--recipe", str(part), "--nproc-per-node", "2").returncode == 0
-    res = run_cli("train", "--recipe", str(part), "--nproc-per-node", "2", f"schedule.max_steps={total}")
+    assert run_ranks(part).returncode == 0
+    res = run_ranks(part, f"schedule.max_steps={total}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and f"step_{stop:09d}" in res.stdout
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
@@ -143,7 +141,7 @@ def test_sharded_model_state_is_near_the_ideal(fm_tree, tmp_path, strategy):
                     model={"name": "convit_tiny", "img_size": 32}, data={"global_batch_size": 4},
                     parallel={"strategy": strategy, **extra}, schedule={"max_steps": 2},
                     checkpoint={"every_steps": 100}, log={"debug_memory": True})
-    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    res = run_ranks(r)
     assert res.returncode == 0, res.stderr[-3000:]
     params = sum(p.numel() for p in create_model("convit_tiny", num_classes=10, img_size=32).parameters())
     ideal = 16 * params / 2 / 2**20
@@ -155,7 +153,7 @@ def test_sharded_model_state_is_near_the_ideal(fm_tree, tmp_path, strategy):
 def test_fsdp2_resumes_from_two_ranks_onto_one(fm_tree, tmp_path, reference_losses):
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT, data=NO_MIX,
                     schedule={"max_steps": 2})
-    assert run_cli("train", "--recipe", str(r), "--nproc-per-node", "2").returncode == 0
+    assert run_ranks(r).returncode == 0
     res = run_cli("train", "--recipe", str(r), "schedule.max_steps=4")  # one process now
     assert res.returncode == 0, res.stderr[-3000:]
     assert "1 rank(s)" in res.stdout and "resumed from" in res.stdout
@@ -168,7 +166,7 @@ def test_fsdp2_resumes_from_two_ranks_onto_one(fm_tree, tmp_path, reference_loss
 @pytest.mark.slow
 def test_nan_policy_skip_and_stop(fm_tree, tmp_path):
     r = tiny_recipe(tmp_path / "skip.yaml", "imagefolder", fm_tree, tmp_path / "skip", schedule={"max_steps": 4})
-    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_NAN_AT_STEP": "1"})
+    res = run_ranks(r, env={"CONVIT_SCALE_NAN_AT_STEP": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     recs = records(tmp_path / "skip")
     assert recs[1]["loss"] is None and recs[1]["skipped_steps"] == 1 and recs[-1]["skipped_steps"] == 1
@@ -178,7 +176,7 @@ def test_nan_policy_skip_and_stop(fm_tree, tmp_path):
     # stop: the good checkpoint of step 2 stays the newest; nothing is written after the NaN
     r = tiny_recipe(tmp_path / "stop.yaml", "imagefolder", fm_tree, tmp_path / "stop", schedule={"max_steps": 6},
                     run={"nonfinite_policy": "stop"}, checkpoint={"every_steps": 1, "keep_last": 5})
-    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_NAN_AT_STEP": "2"})
+    res = run_ranks(r, env={"CONVIT_SCALE_NAN_AT_STEP": "2"})
     assert res.returncode != 0 and "non-finite loss at step 2" in res.stderr
     ckpts = sorted(p.name for p in (tmp_path / "stop" / "checkpoints").iterdir())
     assert ckpts == ["step_000000001", "step_000000002"]
@@ -197,7 +195,7 @@ def test_nan_in_a_later_micro_batch_discards_the_whole_step(fm_tree, tmp_path, s
         r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, model=EXACT,
                         data={**NO_MIX, "micro_batch_size": 8}, parallel={"strategy": strategy},
                         schedule={"max_steps": 4})
-        res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", env={"CONVIT_SCALE_NAN_AT_STEP": where})
+        res = run_ranks(r, env={"CONVIT_SCALE_NAN_AT_STEP": where})
         assert res.returncode == 0, res.stderr[-3000:]
         recs = records(out)
         assert recs[1]["loss"] is None and recs[-1]["skipped_steps"] == 1
@@ -206,12 +204,8 @@ def test_nan_in_a_later_micro_batch_discards_the_whole_step(fm_tree, tmp_path, s
 
 
 def _torchrun(recipe, *overrides):
-    from convit_scale.train.distributed import free_port
-
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "convit_scale.train", "--recipe", str(recipe), *overrides]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(ranks_cmd(recipe, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _wait_for_steps(out, n, proc, timeout=180):
@@ -240,7 +234,7 @@ def test_stop_signal_saves_and_exits_for_requeue_then_resumes(fm_tree, tmp_path)
     stopped = records(tmp_path / "out", "stopped")
     assert len(stopped) == 1 and (tmp_path / "out" / "STOPPED_FOR_REQUEUE").is_file()
     step = stopped[0]["step"]
-    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2", f"schedule.max_steps={step + 2}")
+    res = run_ranks(r, f"schedule.max_steps={step + 2}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"at step {step}" in res.stdout
     assert records(tmp_path / "out", "end")[0]["step"] == step + 2
@@ -294,7 +288,7 @@ def test_export_loads_into_plain_model(fm_tree, tmp_path):
 
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "zero3"},
                     schedule={"max_steps": 2})
-    assert run_cli("train", "--recipe", str(r), "--nproc-per-node", "2").returncode == 0
+    assert run_ranks(r).returncode == 0
     ckpt = tmp_path / "out" / "checkpoints" / "step_000000002"
     res = run_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.safetensors"))
     assert res.returncode == 0, res.stderr[-2000:]
@@ -318,7 +312,7 @@ def test_low_precision_clipping_and_keep_last(fm_tree, tmp_path, reference_losse
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT, data=NO_MIX,
                     parallel={"strategy": strategy, "precision": precision}, optim={"grad_clip": 0.5},
                     checkpoint={"every_steps": 1, "keep_last": 2}, schedule={"max_steps": 4})
-    res = run_cli("train", "--recipe", str(r), "--nproc-per-node", "2")
+    res = run_ranks(r)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = records(tmp_path / "out")
     for got, ref in zip([x["loss"] for x in recs], reference_losses):
