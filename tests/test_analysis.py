@@ -6,7 +6,7 @@ import torch
 
 from convit_scale import create_model
 from convit_scale.analysis.cka import MinibatchCKA, hsic_unbiased, linear_cka
-from convit_scale.analysis.metrics import attention_maps, gating, nonlocality, nonlocality_of
+from convit_scale.analysis.metrics import attention_maps, gating, head_distances, nonlocality, nonlocality_of
 from convit_scale.analysis.report import analyze, masked
 from convit_scale.models.convit import GPSA, relative_positions
 
@@ -105,3 +105,40 @@ def test_report_writes_plots_and_numbers(tmp_path):
     maps = attention_maps(model, batches[0][0])
     assert [m.shape for m in maps] == [(8, 4, 16, 16)] * 3
     assert gating(model) == res["gating"] and nonlocality(model, batches[0][0])[0] > 0
+
+
+def test_head_distances_over_batches_equal_the_whole_set():
+    """`analyze` measures 1,024 images a batch at a time: the weighted mean over batches is the whole set's."""
+    torch.manual_seed(0)
+    model = create_model("convit_nano", num_classes=4, img_size=16).eval()
+    x = torch.randn(11, 3, 16, 16)
+    per_head, n = head_distances(model, [(x[:4], None), (x[4:7], None), (x[7:], None)])
+    whole = [nonlocality_of(a, model.grid_size).tolist() for a in attention_maps(model, x)]
+    assert n == 11 and torch.allclose(torch.tensor(per_head, dtype=torch.float64), torch.tensor(whole, dtype=torch.float64),
+                                      atol=1e-6)
+
+
+def test_analyze_command_measures_the_images_asked_for(fm_wds, tmp_path, capsys):
+    """Default: at least 1,000 validation images, on the GPU when there is one; here 40 on the CPU, and a device
+    the machine does not have is refused before any work."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from convit_scale.analysis.report import ANALYSIS_IMAGES
+    from convit_scale.cli import build_parser, main
+
+    args = build_parser().parse_args(["analyze", "--checkpoint", "m", "--data", "d", "--out", "o"])
+    assert args.images == ANALYSIS_IMAGES >= 1000 and args.device == "auto"
+    weights = tmp_path / "m.safetensors"
+    save_file(create_model("convit_nano", num_classes=10).state_dict(), str(weights))
+    out = tmp_path / "analysis"
+    argv = ["analyze", "--checkpoint", str(weights), "--model", "convit_nano", "--data", str(fm_wds),
+            "--out", str(out), "--images", "40"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    result = json.loads((out / "analysis.json").read_text())
+    assert result["images"] == 40 and result["device"] == "cpu" and len(result["attention_distance_px"]) == 3
+    capsys.readouterr()
+    bad = f"cuda:{torch.cuda.device_count()}"
+    assert main([*argv, "--device", bad]) == 2
+    assert f"'{bad}'" in capsys.readouterr().err

@@ -49,6 +49,20 @@ def nonlocality(model: ConViT, images: torch.Tensor) -> list[float]:
 
 
 @torch.no_grad()
+def head_distances(model: ConViT, batches, device: torch.device | str = "cpu") -> tuple[list[list[float]], int]:
+    """Nonlocality per layer and head (patch units) averaged over every image of ``batches`` ((x, y) pairs,
+    moved to ``device`` one at a time: (B, H, L, L) maps per layer are never held for more than one batch),
+    and the number of images."""
+    sums, n = None, 0
+    for x, _ in batches:
+        x = x.to(device, non_blocking=True)
+        per_layer = torch.stack([nonlocality_of(a, model.grid_size) for a in attention_maps(model, x)]).double()
+        sums = per_layer * len(x) if sums is None else sums + per_layer * len(x)
+        n += len(x)
+    return (sums / max(n, 1)).tolist(), n
+
+
+@torch.no_grad()
 def attention_distance_px(model: ConViT, images: torch.Tensor) -> list[list[float]]:
     """Mean attention distance per head in pixels (Raghu et al.): nonlocality x patch size."""
     patch = model.patch_embed.patch_size[0]

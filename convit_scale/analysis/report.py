@@ -16,22 +16,35 @@ from ..models.convit import GPSA, ConViT
 from .cka import MinibatchCKA
 from ..metrics import read_records
 from ..train.evaluate import summarize, topk_counts
-from .metrics import attention_distance_px, attention_maps, gating, nonlocality
+from .metrics import attention_maps, gating, head_distances
+
+ANALYSIS_IMAGES = 1024
+"""Validation images `analyze` measures by default (the paper's nonlocality uses 1,024)."""
 
 
-def eval_batches(data: str, fmt: str, img_size: int, n_batches: int, batch_size: int = 32) -> list:
-    """The first ``n_batches`` validation batches (eval transform), kept in memory for every analysis."""
+def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32) -> list:
+    """The first ``images`` validation images (eval transform, fewer if the split is smaller) as batches of
+    ``batch_size``, kept in host memory for every analysis (1,024 images at 224 are 0.6 GB)."""
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
 
     d = DataConfig(format=fmt, train_path=data, val_path=data, num_workers=0)
     loader = build_loader(d, LoaderSpec("val", img_size, batch_size))
-    batches = []
+    batches, seen = [], 0
     for x, y in loader.epoch(0):
-        batches.append((x, y))
-        if len(batches) >= n_batches:
+        n = min(len(y), images - seen, loader.num_real - seen)  # padding of the last batch is not an image
+        if n <= 0:
             break
+        batches.append((x[:n], y[:n]))
+        seen += n
     return batches
+
+
+def analysis_device(name: str = "auto") -> torch.device:
+    """auto: the GPU when there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 @contextlib.contextmanager
@@ -54,14 +67,19 @@ def masked(model: ConViT, pos_embed: bool = False, content_layers: int = 0, posi
             attn.mask = None
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def accuracy(model: ConViT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Top-1 in percent over ``batches`` (the counter training's evaluation uses)."""
+    """Top-1 in percent over ``batches`` (the counter training's evaluation uses), on the model's device."""
     model.eval()
-    counts = torch.zeros(4, dtype=torch.float64)
+    device = _device_of(model)
+    counts = torch.zeros(4, dtype=torch.float64, device=device)
     for x, y in batches:
-        counts += topk_counts(model(x), y).cpu()
-    return summarize(counts)["top1"]
+        counts += topk_counts(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+    return summarize(counts.cpu())["top1"]
 
 
 def masking_table(model: ConViT, batches) -> dict:
@@ -81,7 +99,7 @@ def masking_table(model: ConViT, batches) -> dict:
 @torch.no_grad()
 def layer_representations(model: ConViT, x: torch.Tensor) -> list[torch.Tensor]:
     model.eval()
-    return model.forward_features(x, return_layers=True)[1]
+    return model.forward_features(x.to(_device_of(model), non_blocking=True), return_layers=True)[1]
 
 
 @torch.no_grad()
@@ -101,31 +119,37 @@ def history(run_dir: Path) -> dict:
 
 def analyze(model: ConViT, batches, out: Path, compare: ConViT | None = None, run_dir: Path | None = None,
             names: tuple[str, str] = ("model", "compare"), query_patch: int | None = None) -> dict:
-    """Compute everything, write the plots and ``analysis.json`` into ``out``; returns the numbers."""
+    """Compute everything on the models' device over every image of ``batches`` (host tensors, moved one batch
+    at a time), write the plots and ``analysis.json`` into ``out``; returns the numbers."""
     from . import plots
 
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    images = torch.cat([x for x, _ in batches])[:64]
-    maps = attention_maps(model, images[:8])
+    device = _device_of(model)
+    first = batches[0][0][:8].to(device)
+    maps = [m.cpu() for m in attention_maps(model, first)]
     grid = model.grid_size
     query = query_patch if query_patch is not None else (grid // 2) * grid + grid // 2
+    per_head, n_images = head_distances(model, batches, device)
+    patch = model.patch_embed.patch_size[0]
     result = {
+        "images": n_images,
+        "device": str(device),
         "gating": gating(model),
-        "nonlocality": nonlocality(model, images),
-        "attention_distance_px": attention_distance_px(model, images),
+        "nonlocality": [sum(h) / len(h) for h in per_head],
+        "attention_distance_px": [[d * patch for d in h] for h in per_head],
         "masking_top1": masking_table(model, batches),
         "cka_self": cka_matrix(model, model, batches).tolist(),
         "query_patch": query,
     }
     files = [plots.gating_heatmap(result["gating"], out / "gating.png"),
              plots.nonlocality_per_layer(result["nonlocality"], model.local_up_to_layer, out / "nonlocality.png"),
-             plots.attention_maps(maps, images[0], query, grid, result["gating"], out / "attention_maps.png"),
+             plots.attention_maps(maps, first[0].cpu(), query, grid, result["gating"], out / "attention_maps.png"),
              plots.attention_distance(result["attention_distance_px"], out / "attention_distance.png"),
              plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
     if compare is not None:
         result["cka_compare"] = cka_matrix(model, compare, batches).tolist()
-        result["compare_nonlocality"] = nonlocality(compare, images)
+        result["compare_nonlocality"] = [sum(h) / len(h) for h in head_distances(compare, batches, device)[0]]
         files.append(plots.cka_heatmap(result["cka_compare"], names[0], names[1], out / "cka_compare.png"))
     if run_dir is not None:
         hist = history(run_dir)

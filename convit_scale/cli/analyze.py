@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .argtypes import positive_int
+from ..analysis.report import ANALYSIS_IMAGES
+from .argtypes import device, positive_int
 
 
 def _cmd_analyze(args) -> int:
-    from ..analysis.report import analyze, eval_batches
+    from ..analysis.report import analysis_device, analyze, eval_batches
     from ..train.export import load_trained_model
 
-    model = load_trained_model(args.checkpoint, args.model)
-    compare = load_trained_model(args.compare, args.compare_model) if args.compare else None
-    batches = eval_batches(args.data, args.format, model.patch_embed.img_size[0], args.batches)
+    on = analysis_device(args.device)
+    model = load_trained_model(args.checkpoint, args.model).to(on)
+    compare = load_trained_model(args.compare, args.compare_model).to(on) if args.compare else None
+    batches = eval_batches(args.data, args.format, model.patch_embed.img_size[0], args.images)
     run_dir = Path(args.run) if args.run else _run_dir_of(Path(args.checkpoint))
     names = (args.name or Path(args.checkpoint).name,
              args.compare_name or (Path(args.compare).name if args.compare else ""))
     result = analyze(model, batches, Path(args.out), compare=compare, run_dir=run_dir, names=names)
-    print(f"masking top-1: {result['masking_top1']}")
+    print(f"{result['images']} validation images on {result['device']}; masking top-1: {result['masking_top1']}")
     print("wrote " + ", ".join(result["files"]) + f", {Path(args.out) / 'analysis.json'}")
     return 0
 
@@ -41,7 +43,10 @@ def register(sub) -> None:
     p.add_argument("--format", default="wds", choices=["ffcv", "wds", "imagefolder"])
     p.add_argument("--out", required=True, help="folder for the PNGs and analysis.json")
     p.add_argument("--run", help="run folder with metrics.jsonl for the histories (default: from the checkpoint)")
-    p.add_argument("--batches", type=positive_int, default=4, help="validation batches of 32 to analyse")
+    p.add_argument("--images", type=positive_int, default=ANALYSIS_IMAGES,
+                   help=f"validation images for nonlocality, attention distance, CKA and masking (default "
+                        f"{ANALYSIS_IMAGES}; fewer if the split is smaller)")
+    p.add_argument("--device", type=device, default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
     p.add_argument("--name", help="label of the model in plots")
     p.add_argument("--compare-name", help="label of the compared model in plots")
     p.set_defaults(func=_cmd_analyze)

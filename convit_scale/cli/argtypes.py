@@ -92,3 +92,21 @@ def recipe(text: str) -> str:
         return str(find_recipe(text))
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def device(text: str) -> str:
+    """``auto`` (a GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N`` with N below the visible GPUs."""
+    import re
+
+    allowed = "allowed: auto, cpu, cuda, cuda:N"
+    if text in ("auto", "cpu"):
+        return text
+    if not re.fullmatch(r"cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; {allowed}")
+    import torch
+
+    index = int(text.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} visible GPU(s); "
+                                         f"{allowed}")
+    return text

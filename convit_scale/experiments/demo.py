@@ -71,7 +71,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
-    from ..analysis.report import analyze, eval_batches
+    from ..analysis.report import ANALYSIS_IMAGES, analysis_device, analyze, eval_batches
     from ..config import load_config, recipe_path
     from ..train.export import load_trained_model
     from ..train.launch import run_recipe
@@ -110,8 +110,8 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
 
     console.rule("3/3 analysis: gating, nonlocality, attention maps, attention distance, CKA")
     t2 = time.time()
-    model = load_trained_model(end["checkpoint"])
-    batches = eval_batches(str(prepared[loader]), loader, model.patch_embed.img_size[0], 4)
+    model = load_trained_model(end["checkpoint"]).to(analysis_device())
+    batches = eval_batches(str(prepared[loader]), loader, model.patch_embed.img_size[0], ANALYSIS_IMAGES)
     result = analyze(model, batches, out / "analysis", run_dir=run_dir, names=("convit_micro", ""))
     seconds["analysis"] = time.time() - t2
     console.print(_summary_table(run_dir, out, end, result["files"], seconds))

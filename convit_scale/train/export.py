@@ -103,6 +103,8 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
         m.name = name
     if num_classes is not None:
         m.num_classes = num_classes
+    elif section is None and state is not None and "head.weight" in state:  # weights alone: classes of their head
+        m.num_classes = state["head.weight"].shape[0]
     opts = {**model_options(m), "drop_path_rate": 0.0}
     model = create_model(m.name, **opts)
     load_pretrained(model, consolidate(path) if state is None else state)
