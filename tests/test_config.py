@@ -95,6 +95,6 @@ def test_crop_scale_reaches_the_random_resized_crop():
 
     d = load_config(RECIPES / "cpu" / "demo.yaml").data
     for on_device in (False, True):
-        crops = [t for t in build_train_transform(d, 32, on_device=on_device).transforms
+        crops = [t for t in build_train_transform(d, 28, on_device=on_device).transforms
                  if isinstance(t, RandomResizedCropAndInterpolation)]
-        assert len(crops) == 1 and tuple(crops[0].scale) == (0.35, 1.0)
+        assert len(crops) == 1 and tuple(crops[0].scale) == (0.8, 1.0)

@@ -22,6 +22,8 @@ def test_demo_pipeline_small(tmp_path):
                 "nonlocality_history"):
         assert (out / "analysis" / f"{png}.png").stat().st_size > 1000, png
     assert "convit-scale demo" in res.stdout and "top-1 / top-5" in res.stdout
+    output = res.stdout + res.stderr  # no foreign progress bars (FFCV's writer draws tqdm's) and no warnings
+    assert "it/s]" not in output and "Warning" not in output, output[-3000:]
     shards = {p: p.stat().st_mtime_ns for p in (out / "data" / "wds").glob("*.tar")}
     # a second run redoes nothing: conversions are skipped and the finished training is not rerun
     again = run_cli(*args)

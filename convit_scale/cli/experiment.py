@@ -39,7 +39,8 @@ def register(sub) -> None:
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="training processes (default: every GPU where present, else 2 CPU processes)")
     p.add_argument("--epochs", type=positive_int, help="override the demo recipe's epochs")
-    p.add_argument("--train-per-class", type=positive_int, default=2000, help="Fashion-MNIST train images per class")
+    p.add_argument("--train-per-class", type=positive_int, default=6000,
+                   help="Fashion-MNIST train images per class (6000: all of them)")
     p.add_argument("--val-per-class", type=positive_int, default=200, help="Fashion-MNIST val images per class")
     p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. schedule.epochs=2")
     p.set_defaults(func=_cmd_demo)

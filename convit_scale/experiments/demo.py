@@ -11,7 +11,6 @@ A second run does not redo finished work: conversions are skipped and a finished
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
@@ -35,7 +34,8 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
     import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST (32x32), {cfg['parallel']['strategy']}, "
+    size = cfg["model"].get("img_size") or 32
+    table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST ({size}x{size}), {cfg['parallel']['strategy']}, "
                                   f"{cfg['data']['format']} loader, {len(train[-1]['peak_mem_mb'])} process(es)")
     table.add_row("top-1 / top-5 (val)", f"{evals[-1]['top1']:.2f} / {evals[-1]['top5']:.2f}  ({evals[-1]['samples']} images)")
     if "best_top1" in evals[-1]:
@@ -53,19 +53,22 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
 
 @contextlib.contextmanager
 def _quiet_tqdm():
-    old = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
+    """FFCV's writer draws a tqdm bar of its own (``ffcv.writer.tqdm``); tqdm reads TQDM_DISABLE only when it is
+    first imported, which may already have happened, so the writer's name is bound to a disabled bar instead."""
+    import functools
+
+    import ffcv.writer
+
+    bar = ffcv.writer.tqdm
+    ffcv.writer.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old
+        ffcv.writer.tqdm = bar
 
 
 def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int = 2, epochs: int | None = None,
-             train_per_class: int = 2000, val_per_class: int = 200, extra: list[str] | None = None) -> dict:
+             train_per_class: int = 6000, val_per_class: int = 200, extra: list[str] | None = None) -> dict:
     from ..console import console as make_console
 
     from data_prep import PrepOptions, prepare
