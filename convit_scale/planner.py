@@ -32,9 +32,9 @@ from .parallel.zero import zero_sizes
 IMAGENET_TRAIN = 1_281_167
 
 LOADER_CPU_MS_PER_IMAGE = {
-    ("ffcv", "cpu"): 7.05, ("ffcv", "device"): 2.27,
-    ("wds", "cpu"): 9.24, ("wds", "device"): 7.55,
-    ("imagefolder", "cpu"): 10.39, ("imagefolder", "device"): 7.73,
+    ("ffcv", "cpu"): 6.54, ("ffcv", "device"): 1.53,
+    ("wds", "cpu"): 8.79, ("wds", "device"): 6.33,
+    ("imagefolder", "cpu"): 8.65, ("imagefolder", "device"): 6.16,
 }
 """CPU milliseconds per training image of one rank's loader (all its workers), full DeiT recipe at 224, by
 (data.format, where the augmentation after the crop runs): ``cpu_ms_per_image`` at 1 worker from
