@@ -108,6 +108,12 @@ def test_train_stop_resume_eval_export_bf16(strategy, tree, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     res = _cli("eval", "--checkpoint", exported, "--data", tree, "--format", "imagefolder", "--workers", 0)
     assert res.returncode == 0 and "top-1" in res.stdout, res.stderr[-3000:]
+    if strategy == "fsdp2":  # analyze runs on the GPU by default (CKA sums, masking, distances on the device)
+        res = _cli("analyze", "--checkpoint", exported, "--data", tree, "--format", "imagefolder",
+                   "--out", tmp_path / "analysis", "--images", 100)
+        assert res.returncode == 0, res.stderr[-3000:]
+        result = json.loads((tmp_path / "analysis" / "analysis.json").read_text())
+        assert result["images"] == 100 and result["device"].startswith("cuda")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
@@ -151,9 +157,9 @@ def test_device_augmentation_throughput():
 
 
 def test_ffcv_batches_reach_the_gpu_pinned(tree, tmp_path):
-    try:
-        import ffcv  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("ffcv") is None:
         pytest.skip("FFCV is not installed on this machine (it builds from source with OpenCV and libturbojpeg); "
                     "the FFCV loader is covered by the CPU suite")
     from convit_scale.config import DataConfig
@@ -167,3 +173,11 @@ def test_ffcv_batches_reach_the_gpu_pinned(tree, tmp_path):
     assert batch.images.is_pinned()
     x = batch.images.to("cuda", non_blocking=True)
     assert x.shape[0] == 32 and x.is_cuda
+    # device mode: channels-last uint8 crops, pinned, made contiguous and augmented on the GPU
+    from convit_scale.data.device_augment import augment_batch
+
+    spec = LoaderSpec("train", 224, 32, pin_memory=True, augment_on_device=True)
+    batch = next(iter(build_loader(d, spec).epoch(0)))
+    assert batch.images.is_pinned() and batch.images.dtype == torch.uint8
+    out = augment_batch(batch.images.to("cuda", non_blocking=True), batch.seeds)
+    assert out.is_cuda and out.is_contiguous() and out.shape == (32, 3, 224, 224)

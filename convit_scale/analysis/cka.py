@@ -43,6 +43,10 @@ class MinibatchCKA:
         return x @ x.T
 
     def update(self, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> None:
+        """Sums on the representations' device (the first update moves them there): no host sync per batch."""
+        device = rows[0].device
+        if self.xy.device != device:
+            self.xy, self.xx, self.yy = self.xy.to(device), self.xx.to(device), self.yy.to(device)
         grams_r = [self.gram(x) for x in rows]
         grams_c = [self.gram(y) for y in cols]
         for i, K in enumerate(grams_r):
