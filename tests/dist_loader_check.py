@@ -1,5 +1,6 @@
 """Run under torchrun: one epoch (or a resumed part) of a loader per rank, results to JSON per rank."""
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -18,16 +19,24 @@ def main(fmt: str, path: str, out: str, workers: int, repeats: int) -> None:
     for split, batch in (("train", 16), ("val", 24)):
         loader = build_loader(d, LoaderSpec(split, 32, batch, world, rank, seed=0))
         for epoch in (0, 1):
-            labels, shapes = [], set()
+            labels, images, shapes = [], [], set()
             for x, y in loader.epoch(epoch):
                 labels.append(y.tolist())
+                images.append(_digest(x))
                 shapes.add(tuple(x.shape[1:]))
-            result[f"{split}{epoch}"] = {"batches": labels, "len": len(loader), "num_real": loader.num_real,
-                                         "shapes": sorted(shapes)}
-        if split == "train":  # resume: batches from 5 on equal the uninterrupted epoch's
-            result["resumed"] = [y.tolist() for _, y in loader.epoch(0, start_batch=5)]
+            result[f"{split}{epoch}"] = {"batches": labels, "images": images, "len": len(loader),
+                                         "num_real": loader.num_real, "shapes": sorted(shapes)}
+        if split == "train":  # resume: batches from 5 on equal the uninterrupted epoch's, pixel for pixel
+            part = list(loader.epoch(0, start_batch=5))
+            result["resumed"] = [y.tolist() for _, y in part]
+            result["resumed_images"] = [_digest(x) for x, _ in part]
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _digest(x) -> str:
+    """The batch's pixels, bit for bit."""
+    return hashlib.sha256(x.contiguous().numpy().tobytes()).hexdigest()
 
 
 if __name__ == "__main__":

@@ -220,5 +220,7 @@ def test_two_ranks_two_workers_equal_batches_and_coverage(fmt, fm_wds, fm_ffcv, 
                 assert sum(got.values()) == 992 and all(want[c] - got[c] >= 0 for c in want)
         if split == "train":  # a new order each epoch
             assert ranks[0]["train0"]["batches"] != ranks[0]["train1"]["batches"]
-    for r in ranks:  # resume position: the rest of the epoch is the same batches
+    for r in ranks:  # resume position: the rest of the epoch is the same batches, the same pixels
         assert r["resumed"] == r["train0"]["batches"][5:]
+        assert r["resumed_images"] == r["train0"]["images"][5:]
+    assert ranks[0]["train0"]["images"][0] != ranks[1]["train0"]["images"][0]  # each rank its own share
