@@ -122,6 +122,8 @@ def _loader_rates(spec: dict) -> dict:
                 else:
                     n[k] += len(x)
                 images[k] += len(x)
+            if first is None:
+                raise SystemExit(f"error: bench data: {spec['loader']} gave no batch of {BATCH} in epoch {epoch}")
             wall[k] += time.perf_counter() - first
             cpu[k] += _cpu_seconds() - c0
         epoch += 1
