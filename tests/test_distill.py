@@ -65,7 +65,9 @@ def test_distillation_end_to_end(strategy, fm_wds, teacher_file, tmp_path):
     # what depends on the strategy (the teacher outside the sharded model and its optimizer, the resumed state) is
     # checked under both; the loss's effect and the token variant, which do not, under FSDP2 only
     cases = (("plain", {"distill": False}), ("distilled", {}), ("token", {"token": True}))
-    for name, kw in cases if strategy == "fsdp2" else cases[1:2]:
+    # under ZeRO-3 a shorter run: its checks need a teacher at work and a resume, not a trained student
+    total, stop = (None, 20) if strategy == "fsdp2" else (30, 15)
+    for name, kw in cases if strategy == "fsdp2" else ((cases[1][0], {"max_steps": total}),):
         r = _recipe(tmp_path, name, fm_wds, teacher_file, strategy, **kw)
         res = run_ranks(r)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -79,10 +81,10 @@ def test_distillation_end_to_end(strategy, fm_wds, teacher_file, tmp_path):
     student = load_trained_model(end["checkpoint"])  # loads strictly: no teacher keys in the checkpoint
     if strategy == "fsdp2":
         _distilled_agrees_with_the_teacher_and_the_token_variant_trains(fm_wds, teacher_file, runs, student)
-    # resume restores the distillation state: stopped at step 20 and resumed, the same losses
-    r = _recipe(tmp_path, "resumed", fm_wds, teacher_file, strategy, max_steps=20)
+    # resume restores the distillation state: stopped part-way and resumed, the same losses
+    r = _recipe(tmp_path, "resumed", fm_wds, teacher_file, strategy, max_steps=stop)
     assert run_ranks(r).returncode == 0
-    res = run_ranks(r, "schedule.max_steps=null")
+    res = run_ranks(r, f"schedule.max_steps={'null' if total is None else total}")
     assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
     assert losses(tmp_path / "resumed") == losses(runs["distilled"])
 
