@@ -60,10 +60,3 @@ def head_distances(model: ConViT, batches, device: torch.device | str = "cpu") -
         sums = per_layer * len(x) if sums is None else sums + per_layer * len(x)
         n += len(x)
     return (sums / max(n, 1)).tolist(), n
-
-
-@torch.no_grad()
-def attention_distance_px(model: ConViT, images: torch.Tensor) -> list[list[float]]:
-    """Mean attention distance per head in pixels (Raghu et al.): nonlocality x patch size."""
-    patch = model.patch_embed.patch_size[0]
-    return [(nonlocality_of(a, model.grid_size) * patch).tolist() for a in attention_maps(model, images)]
