@@ -8,6 +8,8 @@ TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
 APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev dataset-fashion-mnist slurmctld slurmd slurm-client munge
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files run on this many pytest-xdist workers (a file per worker at a time); 0 runs them in this process.
+TEST_JOBS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: setup apt-deps test demo gpu-test clean
@@ -33,11 +35,11 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PKGS)
 	$(PY) -m pip install -e ".[ffcv,test]"
-	@$(PY) -c "import ffcv, torch, timm, deepspeed, webdataset" || { echo "error: Python dependencies did not import (see above)"; exit 1; }
+	@$(PY) -c "import ffcv, torch, timm, deepspeed, webdataset, xdist" || { echo "error: Python dependencies did not import (see above)"; exit 1; }
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 # GPU acceptance: the first thing to run on a GPU machine (tests/test_gpu.py, about 8 minutes on one H200). It uses
 # the Python that already has the CUDA build of torch (GPU_PYTHON) and the checkout itself (PYTHONPATH), installs

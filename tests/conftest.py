@@ -15,6 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
+# `make test` runs the files on 2 pytest-xdist workers, a file per worker at a time (--dist loadfile: a file's
+# module fixtures are built once). The longest files go first so that none starts last and runs alone.
+LONGEST_FIRST = ["test_engine.py", "test_slurm.py", "test_distill.py", "test_engine_faults.py", "test_planner.py",
+                 "test_demo.py", "test_data.py", "test_data_augment_on.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+
+
 @pytest.fixture(scope="session")
 def fm_tree(tmp_path_factory) -> Path:
     """Fashion-MNIST as an ImageNet-style tree: 100 train and 20 val images per class."""

@@ -115,6 +115,16 @@ def cpu_adam_like(optimizer: torch.optim.Optimizer):
                             adamw_mode=True)
 
 
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce (deepspeed_shm_comm) at its first init on each
+    machine: about a minute of C++ on 2 cores, for an op that only its tensor-parallel inference calls
+    (``inference_all_reduce``). Training's collectives go through torch.distributed, and with the op marked
+    unavailable ``inference_all_reduce`` does too."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO-1/2/3. DeepSpeed clips and steps inside its engine, and discards a step whose gradient norm
     is not finite itself (its overflow check): the step happens in ``clip_gradients``, at the accumulation
@@ -134,6 +144,8 @@ class ZeroStrategy(Strategy):
         cfg = deepspeed_config(self.p, micro_batch, grad_accum, self.world_size, num_params, self.grad_clip,
                                device=self.device)
         share_fp32_master_partitions()
+        if self.device.type == "cpu":
+            skip_shm_comm_build()
         self._engine, self.optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=cfg)
         self.wrapped = self._engine
         self.module = self._engine.module
