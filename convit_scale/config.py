@@ -59,6 +59,8 @@ class ModelConfig:
     """Number of output classes."""
     img_size: int | None = None
     """Input resolution; None keeps the model's (224 for the paper's models)."""
+    patch_size: int | None = None
+    """Side of the square patches in pixels; None keeps the model's (16 for the paper's models)."""
     drop_path_rate: float = 0.1
     """Stochastic depth rate of the last block (linearly increasing from 0)."""
     local_up_to_layer: int | None = None
@@ -512,8 +514,13 @@ def validate(cfg: Config, source: str = "<config>") -> None:
     spec = MODELS[m.name]
     if m.num_classes < 1:
         fail("model.num_classes", m.num_classes, "must be >= 1")
-    if m.img_size is not None and (m.img_size <= 0 or m.img_size % spec.patch_size):
-        fail("model.img_size", m.img_size, f"must be a positive multiple of the patch size {spec.patch_size}")
+    patch = spec.patch_size if m.patch_size is None else m.patch_size
+    if patch <= 0:
+        fail("model.patch_size", m.patch_size, "must be a positive number of pixels")
+    size = spec.img_size if m.img_size is None else m.img_size
+    if size <= 0 or size % patch:
+        key, value = ("model.img_size", m.img_size) if m.img_size is not None else ("model.patch_size", m.patch_size)
+        fail(key, value, f"the image size ({size}) must be a positive multiple of the patch size ({patch})")
     if m.local_up_to_layer is not None and not 0 <= m.local_up_to_layer < spec.depth:
         fail("model.local_up_to_layer", m.local_up_to_layer, f"must be in [0, {spec.depth - 1}]")
     if not 0.0 <= m.drop_path_rate < 1.0:
@@ -644,6 +651,8 @@ def model_options(m: ModelConfig) -> dict:
     )
     if m.img_size is not None:
         opts["img_size"] = m.img_size
+    if m.patch_size is not None:
+        opts["patch_size"] = m.patch_size
     if m.local_up_to_layer is not None:
         opts["local_up_to_layer"] = m.local_up_to_layer
     return opts

@@ -41,7 +41,9 @@ def test_inheritance_and_overrides(tmp_path):
     ("model: {name: convit_huge}\n", "model.name = 'convit_huge' is not allowed; known models: deit_tiny"),
     ("schedule: {epochs: 10, warmup_epochs: 20}\n", "schedule.warmup_epochs = 20.0 is not allowed"),
     ("distill: {enabled: true}\n", "distill.teacher_checkpoint = None is not allowed"),
-    ("model: {img_size: 100}\n", "model.img_size = 100 is not allowed; must be a positive multiple"),
+    ("model: {img_size: 100}\n", "model.img_size = 100 is not allowed; the image size (100) must be a positive multiple"),
+    ("model: {patch_size: 15}\n", "model.patch_size = 15 is not allowed; the image size (224) must be a positive multiple of the patch size (15)"),
+    ("model: {patch_size: 0}\n", "model.patch_size = 0 is not allowed; must be a positive number"),
     ("data: {subset_fraction: 0}\n", "data.subset_fraction = 0.0 is not allowed"),
     ("run: {seed: true}\n", "run.seed = True is not allowed; expected int"),
     ("model: 3\n", "'model' must be a mapping"),
@@ -98,3 +100,12 @@ def test_crop_scale_reaches_the_random_resized_crop():
         crops = [t for t in build_train_transform(d, 28, on_device=on_device).transforms
                  if isinstance(t, RandomResizedCropAndInterpolation)]
         assert len(crops) == 1 and tuple(crops[0].scale) == (0.8, 1.0)
+
+
+def test_patch_size_reaches_the_model():
+    from convit_scale.config import model_options
+    from convit_scale.models import create_model
+
+    cfg = load_config(None, ["model.name=convit_micro", "model.img_size=28", "model.patch_size=7"])
+    model = create_model(cfg.model.name, **model_options(cfg.model))
+    assert model.patch_embed.patch_size == (7, 7) and model.patch_embed.num_patches == 16

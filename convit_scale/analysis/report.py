@@ -22,13 +22,15 @@ ANALYSIS_IMAGES = 1024
 """Validation images `analyze` measures by default (the paper's nonlocality uses 1,024)."""
 
 
-def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32) -> list:
+def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32, **view) -> list:
     """The first ``images`` validation images (eval transform, fewer if the split is smaller) as batches of
-    ``batch_size``, kept in host memory for every analysis (1,024 images at 224 are 0.6 GB)."""
+    ``batch_size``, kept in host memory for every analysis (1,024 images at 224 are 0.6 GB). ``view``: the run's
+    ``eval_crop_ratio`` and ``interpolation`` (``train.export.eval_view``), so that the analysis sees the images as
+    the run's evaluation did; DeiT's (0.875, bicubic) otherwise."""
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
 
-    d = DataConfig(format=fmt, train_path=data, val_path=data, num_workers=0)
+    d = DataConfig(format=fmt, train_path=data, val_path=data, num_workers=0, **view)
     loader = build_loader(d, LoaderSpec("val", img_size, batch_size))
     batches, seen = [], 0
     for x, y in loader.epoch(0):

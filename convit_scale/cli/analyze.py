@@ -11,12 +11,13 @@ from .argtypes import device, positive_int
 
 def _cmd_analyze(args) -> int:
     from ..analysis.report import analysis_device, analyze, eval_batches
-    from ..train.export import load_trained_model
+    from ..train.export import eval_view, load_trained_model
 
     on = analysis_device(args.device)
     model = load_trained_model(args.checkpoint, args.model).to(on)
     compare = load_trained_model(args.compare, args.compare_model).to(on) if args.compare else None
-    batches = eval_batches(args.data, args.format, model.patch_embed.img_size[0], args.images)
+    batches = eval_batches(args.data, args.format, model.patch_embed.img_size[0], args.images,
+                           **eval_view(args.checkpoint))
     run_dir = Path(args.run) if args.run else _run_dir_of(Path(args.checkpoint))
     names = (args.name or Path(args.checkpoint).name,
              args.compare_name or (Path(args.compare).name if args.compare else ""))

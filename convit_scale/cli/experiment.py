@@ -26,7 +26,8 @@ def _cmd_experiment(args) -> int:
     if unknown:
         raise ValueError(f"--models: unknown model(s) {', '.join(unknown)}; allowed: {', '.join(MODELS)}")
     table = run_sample_efficiency(Path(args.out), fractions=args.fractions, base_epochs=args.base_epochs,
-                                  models=args.models, nproc=args.nproc, train_per_class=args.train_per_class)
+                                  models=args.models, nproc=args.nproc, train_per_class=args.train_per_class,
+                                  val_per_class=args.val_per_class, jobs=args.jobs)
     print(table["markdown"])
     return 0
 
@@ -55,5 +56,8 @@ def register(sub) -> None:
     p.add_argument("--base-epochs", type=positive_float, default=2,
                    help="epochs at f = 1 (each f trains base/f epochs)")
     p.add_argument("--train-per-class", type=positive_int, default=1000, help="Fashion-MNIST train images per class")
+    p.add_argument("--val-per-class", type=positive_int, default=200, help="Fashion-MNIST val images per class")
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per training run")
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="training runs at a time, the cores split between them (2 on 2 cores: one run per core)")
     p.set_defaults(func=_cmd_experiment)

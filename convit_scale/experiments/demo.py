@@ -35,7 +35,9 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     size = cfg["model"].get("img_size") or 32
-    table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST ({size}x{size}), {cfg['parallel']['strategy']}, "
+    patch = cfg["model"].get("patch_size")
+    table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST ({size}x{size}"
+                                  f"{f', {patch}x{patch} patches' if patch else ''}), {cfg['parallel']['strategy']}, "
                                   f"{cfg['data']['format']} loader, {len(train[-1]['peak_mem_mb'])} process(es)")
     table.add_row("top-1 / top-5 (val)", f"{evals[-1]['top1']:.2f} / {evals[-1]['top5']:.2f}  ({evals[-1]['samples']} images)")
     if "best_top1" in evals[-1]:
@@ -76,7 +78,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
 
     from ..analysis.report import ANALYSIS_IMAGES, analysis_device, analyze, eval_batches
     from ..config import load_config, recipe_path
-    from ..train.export import load_trained_model
+    from ..train.export import eval_view, load_trained_model
     from ..train.launch import run_recipe
 
     console = make_console()
@@ -114,7 +116,8 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     console.rule("3/3 analysis: gating, nonlocality, attention maps, attention distance, CKA")
     t2 = time.time()
     model = load_trained_model(end["checkpoint"]).to(analysis_device())
-    batches = eval_batches(str(prepared[loader]), loader, model.patch_embed.img_size[0], ANALYSIS_IMAGES)
+    batches = eval_batches(str(prepared[loader]), loader, model.patch_embed.img_size[0], ANALYSIS_IMAGES,
+                           **eval_view(end["checkpoint"]))
     result = analyze(model, batches, out / "analysis", run_dir=run_dir, names=("convit_micro", ""))
     seconds["analysis"] = time.time() - t2
     console.print(_summary_table(run_dir, out, end, result["files"], seconds))

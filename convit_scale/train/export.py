@@ -87,6 +87,16 @@ def _model_section(path: Path) -> dict | None:
     return None
 
 
+def eval_view(path: str | Path) -> dict:
+    """How the run evaluated (``eval_crop_ratio``, ``interpolation``), from a run checkpoint's meta.json; empty for
+    files, whose metadata holds the model only (the analysis then uses DeiT's view, 0.875 and bicubic)."""
+    path = Path(path)
+    if not (path.is_dir() and (path / "meta.json").is_file()):
+        return {}
+    data = json.loads((path / "meta.json").read_text())["config"].get("data", {})
+    return {k: data[k] for k in ("eval_crop_ratio", "interpolation") if k in data}
+
+
 def load_trained_model(path: str | Path, name: str | None = None, num_classes: int | None = None):
     """A plain ConViT with the weights of a run checkpoint dir, an exported file or published weights."""
     from ..config import ModelConfig, model_options

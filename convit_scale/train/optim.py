@@ -25,5 +25,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, o: OptimConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW over the groups of :func:`param_groups`, with the multi-tensor (foreach) kernels on every device:
+    torch picks them by itself for CUDA tensors only, and on CPU its per-parameter loop dispatches each of a dozen
+    ops once per FSDP2 DTensor, 15% of a small model's step."""
     groups = [{k: v for k, v in g.items() if k != "group"} for g in param_groups(model, o.weight_decay)]
-    return torch.optim.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps, foreach=True)
