@@ -241,8 +241,8 @@ class LogConfig:
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
     analysis_images: int = 1024
-    """Validation images of the per-epoch gating/nonlocality analysis (sharded over the ranks, on the training
-    device; the paper uses 1,024); 0 turns the analysis off."""
+    """Validation images of the gating/nonlocality analysis at every evaluation (sharded over the ranks, on the
+    training device; the paper uses 1,024); 0 turns the analysis off."""
     debug_memory: bool = False
     """Record `state_mem_mb` once: memory of the live tensors after backward (walks every tensor on CPU)."""
     debug_digest: bool = False

@@ -13,7 +13,7 @@ from .batch import Batch
 from .faults import DECODE_ERRORS, limit_bad_samples, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import sample_seed
-from .transforms import build_eval_transform, build_train_transform, seed_all
+from .transforms import build_eval_transform, build_train_transform, seed_host
 from .workers import private_generator, worker_init_fn
 
 
@@ -44,7 +44,7 @@ class _SeededImages(Dataset):
         else:
             raise DataError(f"{self.samples[index][0]}: no readable image in it and the {len(bad) - 1} files after "
                             f"it; convert with `convit-scale prep` to skip such files")
-        seed_all(seed)
+        seed_host(seed)
         return self.transform(img), label, bad
 
 

@@ -4,8 +4,8 @@ FFCV runs the augmentation that follows its crop in its own thread. timm's RandA
 erasing (and torchvision's colour jitter) draw from the global ``random``, NumPy and torch generators,
 which the training thread seeds every step: two threads drawing from them race, and a run is no longer
 reproducible. Here the same timm code runs against a thread's own generators, seeded per view exactly
-as ``seed_all(seed)`` seeds the global ones, so ``PrivateAugment(...)(img, seed)`` equals timm's transform
-after ``seed_all(seed)`` and no global generator is touched.
+as ``seed_host(seed)`` seeds the global ones, so ``PrivateAugment(...)(img, seed)`` equals timm's transform
+after ``seed_host(seed)`` and no global generator is touched.
 
 The thread's generators reach timm's functions through rebuilt copies of them (same code, a namespace in
 which ``random`` is the thread's generator); the classes' own draws (RandAugment's choice of ops, the
@@ -124,7 +124,7 @@ class PrivateAugment:
         raise ValueError(f"{type(t).__name__}: no private-generator version of this transform (FFCV train augmentation)")
 
     def __call__(self, img, seed: int):
-        """``img`` a PIL image; the steps draw as timm's would after ``seed_all(seed)``."""
+        """``img`` a PIL image; the steps draw as timm's would after ``seed_host(seed)``."""
         _local.py = random.Random(seed)
         _local.np = np.random.RandomState(seed % 2**32)
         _local.torch = torch.Generator().manual_seed(seed)

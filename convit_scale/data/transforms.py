@@ -49,8 +49,18 @@ def build_mixup(d: DataConfig, num_classes: int) -> Mixup | None:
                  mode="batch", label_smoothing=d.label_smoothing, num_classes=num_classes)
 
 
+def seed_host(seed: int) -> None:
+    """Seed Python, NumPy and torch's CPU generator: what timm's per-sample transforms draw from. The loaders call
+    it once per sample; ``torch.manual_seed`` would also reseed every accelerator (each call formats a stack trace
+    for the lazily initialised ones, ~50x the cost), and in a loader on the training thread it would reset the
+    generator that drop-path draws from on the GPU."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+
+
 def seed_all(seed: int) -> None:
-    """Seed Python, NumPy and torch (timm's transforms draw from all three)."""
+    """Seed Python, NumPy and torch on every device (the training step's Mixup and drop-path draw from these)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

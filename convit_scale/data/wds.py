@@ -27,7 +27,7 @@ from .batch import Batch
 from .faults import DECODE_ERRORS, decode_rgb, limit_bad_samples, next_good, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec, eval_positions
 from .plan import contiguous_range, epoch_permutation, sample_seed
-from .transforms import build_eval_transform, build_train_transform, seed_all
+from .transforms import build_eval_transform, build_train_transform, seed_host
 from .workers import private_generator, worker_init_fn
 
 
@@ -270,14 +270,14 @@ class _WdsEpoch(IterableDataset):
             if reason is not None:
                 failed[i] = {"shard": url, "key": key, "reason": reason}
                 continue
-            seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+            seed_host(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
             images[i], labels[i] = self.loader.transform(img), label
         for i, record in failed.items():
             j = next_good(failed, i, len(chunk))
             if j is None:
                 raise DataError(f"{record['shard']}: no readable sample in batch {k} of epoch {self.epoch} "
                                 f"(key {record['key']}: {record['reason']})")
-            seed_all(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+            seed_host(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
             images[i], labels[i] = self.loader.transform(decode_rgb(chunk[j][2])), chunk[j][3]
         seeds = torch.tensor([sample_seed(s.seed, self.epoch, s.rank, k * b + i) for i in range(len(chunk))],
                              dtype=torch.int64) if s.train and s.augment_on_device else None  # device augmentation

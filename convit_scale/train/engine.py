@@ -422,7 +422,8 @@ def _analysis(run: Run) -> dict | None:
 
 
 def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
-    """Evaluation (every ``run.eval_every_epochs`` and at the end) and the analysis of the epoch."""
+    """Evaluation and the gating/nonlocality analysis, every ``run.eval_every_epochs`` and at the end (a short
+    epoch, as on a small Table 2 subset, would otherwise spend more on its analysis than on its steps)."""
     cfg, results = run.cfg, {}
     if run.val_loader is not None and ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
         results = evaluate(run.strategy, run.val_loader, run.ctx)
@@ -431,9 +432,9 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
         _log(run.ctx, f"[convit-scale] epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} "
                       f"top-5 {results['top5']:.2f} ({results['samples']} images); best top-1 "
                       f"{results['best_top1']:.2f} (epoch {results['best_epoch']})")
-    stats = _analysis(run)
-    if stats is not None:
-        run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
+        stats = _analysis(run)
+        if stats is not None:
+            run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
     run.final.update(results)
 
 
