@@ -86,12 +86,13 @@ def cka_heatmap(matrix, row_name: str, col_name: str, path: Path) -> Path:
 
 
 def gating_history(hist: dict, path: Path) -> Path:
-    """sigma(lambda) of every head over training, one panel per GPSA layer (Fig. 6)."""
+    """sigma(lambda) of every head over training, one panel per GPSA layer (Fig. 6); dashed: the initial value."""
     g = np.array(hist["gating"])  # (records, layers, heads)
     layers = g.shape[1]
     fig, axes = plt.subplots(1, layers, figsize=(2.2 * layers, 2.4), squeeze=False, sharey=True)
     for layer in range(layers):
         axes[0, layer].plot(hist["epoch"], g[:, layer, :])
+        axes[0, layer].axhline(1 / (1 + np.exp(-1.0)), ls="--", lw=0.8, c="grey")  # lambda's init, 1: 0.731
         axes[0, layer].set_title(f"layer {layer}", fontsize=8)
         axes[0, layer].set_xlabel("epoch")
     axes[0, 0].set_ylabel("sigma(lambda)")
