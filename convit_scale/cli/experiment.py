@@ -53,7 +53,7 @@ def register(sub) -> None:
                    help="comma-separated subset fractions, each in (0, 1] (default 0.05,0.1,0.3,1)")
     p.add_argument("--models", type=names, default=["convit_micro", "deit_micro"],
                    help="comma-separated models (default convit_micro,deit_micro)")
-    p.add_argument("--base-epochs", type=positive_float, default=2,
+    p.add_argument("--base-epochs", type=positive_float, default=12,
                    help="epochs at f = 1 (each f trains base/f epochs)")
     p.add_argument("--train-per-class", type=positive_int, default=1000, help="Fashion-MNIST train images per class")
     p.add_argument("--val-per-class", type=positive_int, default=200, help="Fashion-MNIST val images per class")
