@@ -61,8 +61,7 @@ def seed_host(seed: int) -> None:
 
 def seed_all(seed: int) -> None:
     """Seed Python, NumPy and torch on every device (the training step's Mixup and drop-path draw from these)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
+    seed_host(seed)
     torch.manual_seed(seed)
 
 

@@ -27,13 +27,14 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
 
     out = out.resolve()
     tree = build_tree(out / "data" / "tree", {"train": train_per_class, "val": val_per_class})
+    epochs_at = {f: max(1, round(base_epochs / f)) for f in fractions}  # Table 2: epochs x 1/f
     runs = []
     for f in fractions:
         data = out / "data" / f"wds_f{f:g}"  # Table 2 subsets: the first floor(n_c * f) files per class
         prepare(tree, data, PrepOptions(fmt="wds", subset_fraction=f, shard_size=500, workers=2))
         for model in models:
             run = out / f"{model}_f{f:g}"
-            epochs = max(1, round(base_epochs / f))
+            epochs = epochs_at[f]
             overrides = [f"model.name={model}", f"data.train_path={data}", f"data.val_path={data}",
                          f"data.subset_fraction={f}", f"schedule.epochs={epochs}", f"run.output_dir={run}",
                          f"run.eval_every_epochs={max(1, epochs // 10)}"]  # a curve of ~10 points per run
@@ -61,7 +62,7 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
         table[model][f"{f:g}"] = top1
     lines = ["| f | epochs | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
     for f in fractions:
-        lines.append(f"| {f:g} | {max(1, round(base_epochs / f))} | "
+        lines.append(f"| {f:g} | {epochs_at[f]} | "
                      + " | ".join(f"{table[m][f'{f:g}']:.2f}" for m in models) + " |")
     result = {"table": table, "markdown": "\n".join(lines), "base_epochs": base_epochs,
               "train_images": train_per_class * 10, "val_images": val_per_class * 10}
