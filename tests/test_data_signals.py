@@ -1,48 +1,105 @@
-"""DataLoader workers survive the stop signals a Slurm preemption sends to the whole job step."""
+"""DataLoader workers survive the stop signals a Slurm preemption sends to the whole job step, from the
+instant they are forked, and still obey their own main process's ``terminate()``."""
 
 import os
-import pickle
 import signal
-import time
+import subprocess
+import sys
+import textwrap
 
 import psutil
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from convit_scale.config import DataConfig
 from convit_scale.data import LoaderSpec, build_loader
-from convit_scale.data.workers import worker_init_fn
+from convit_scale.data.workers import iterate, worker_init_fn
+
+_AT_BIRTH: list[int] = []  # signals a forked child sends itself on its first line, while the list is armed
+
+
+def _signal_self_at_birth():
+    for sig in _AT_BIRTH:
+        os.kill(os.getpid(), sig)
+
+
+os.register_at_fork(after_in_child=_signal_self_at_birth)
+
+
+def _loader(fmt, fm_tree, fm_wds):
+    path = fm_tree if fmt == "imagefolder" else fm_wds
+    d = DataConfig(format=fmt, train_path=str(path), val_path=str(path), num_workers=2, repeated_aug=1)
+    return build_loader(d, LoaderSpec("val", 32, 25))
+
+
+def _same(got, want):
+    return len(got) == len(want) and all(torch.equal(a, c) and torch.equal(b, e) for (a, b), (c, e) in zip(got, want))
 
 
 @pytest.mark.parametrize("fmt", ["imagefolder", "wds"])
-def test_workers_ignore_sigterm_and_the_epoch_continues(fmt, fm_tree, fm_wds):
-    path = fm_tree if fmt == "imagefolder" else fm_wds
-    d = DataConfig(format=fmt, train_path=str(path), val_path=str(path), num_workers=2, repeated_aug=1)
-    loader = build_loader(d, LoaderSpec("val", 32, 25))
+def test_workers_ignore_stop_signals_from_others_and_the_epoch_continues(fmt, fm_tree, fm_wds):
+    loader = _loader(fmt, fm_tree, fm_wds)
     want = list(loader.epoch(0))
-    got, killed = [], []
     others = {p.pid for p in psutil.Process().children()}  # processes left by earlier tests are not ours
+    got, killed = [], []
     for x, y in loader.epoch(0):
         got.append((x, y))
         if not killed:
-            workers = [p for p in psutil.Process().children() if p.pid not in others]
+            workers = [p.pid for p in psutil.Process().children() if p.pid not in others]
             assert len(workers) == 2
-            for w in workers:
-                os.kill(w.pid, signal.SIGTERM)
-                killed.append(w.pid)
-            time.sleep(0.5)  # a worker killed by the signal would be reported on the next batch
-    assert killed and len(got) == len(want) == len(loader)
-    assert all(torch.equal(a, c) and torch.equal(b, e) for (a, b), (c, e) in zip(got, want))
+            for sig in ("TERM", "USR1", "INT"):  # sent by another process, as slurmstepd does
+                subprocess.run(["kill", f"-{sig}", *map(str, workers)], check=True)
+            killed = workers
+            psutil.wait_procs([psutil.Process(p) for p in workers], timeout=0.5)  # a killed one would be reported
+    assert killed and len(want) == len(loader) and _same(got, want)
 
 
-def test_worker_init_fn_composes_and_pickles():
-    calls = []
-    pickle.dumps(worker_init_fn(), protocol=pickle.HIGHEST_PROTOCOL)  # forkserver and spawn send it to the worker
-    before = signal.getsignal(signal.SIGTERM)
+def test_a_signal_at_the_instant_of_the_fork_does_not_kill_a_worker(fm_tree, fm_wds):
+    loader = _loader("imagefolder", fm_tree, fm_wds)
+    want = list(loader.epoch(0))
+    batches = loader.epoch(0)
+    _AT_BIRTH[:] = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]
     try:
-        worker_init_fn(calls.append)(3)
-        assert calls == [3] and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        got = [next(batches)]  # starts both workers; each signals itself before any of torch's code runs
     finally:
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, before if sig == signal.SIGTERM else signal.default_int_handler
-                          if sig == signal.SIGINT else signal.SIG_DFL)
+        _AT_BIRTH.clear()
+    got += list(batches)
+    assert _same(got, want)
+
+
+class _WorkerState(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return {"then": os.environ.get("WORKER_THEN"), "term_blocked": signal.SIGTERM in blocked,
+                "usr1": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
+                "int": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
+
+
+def _then(worker_id):
+    os.environ["WORKER_THEN"] = f"worker {worker_id}"
+
+
+def test_worker_init_fn_composes_and_the_worker_state_is_as_documented():
+    loader = DataLoader(_WorkerState(), batch_size=None, num_workers=1, worker_init_fn=worker_init_fn(_then),
+                        multiprocessing_context="spawn")  # spawn pickles the init function
+    states = list(iterate(loader))
+    assert states == [{"then": "worker 0", "term_blocked": True, "usr1": True, "int": True}] * 2
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the main process's mask is back
+
+
+def test_an_unfinished_epoch_does_not_hang_the_exit(fm_tree):
+    """The interpreter's exit terminate()s live workers (an exception left the epoch's iterator unclosed)."""
+    script = textwrap.dedent(f"""
+        from convit_scale.config import DataConfig
+        from convit_scale.data import LoaderSpec, build_loader
+        d = DataConfig(format="imagefolder", train_path={str(fm_tree)!r}, val_path={str(fm_tree)!r}, num_workers=2)
+        batches = build_loader(d, LoaderSpec("val", 32, 25)).epoch(0)
+        next(batches)
+        print("one batch", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "one batch" in out.stdout, out.stderr

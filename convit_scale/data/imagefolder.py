@@ -14,7 +14,7 @@ from .faults import DECODE_ERRORS, limit_bad_samples, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_host
-from .workers import private_generator, worker_init_fn
+from .workers import iterate, private_generator, worker_init_fn
 
 
 class _SeededImages(Dataset):
@@ -94,7 +94,7 @@ class MapStyleLoader:
                             num_workers=self.d.num_workers, persistent_workers=False,
                             generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn(),
                             collate_fn=_collate, pin_memory=s.pin_memory)
-        batches = limit_bad_samples(loader, self.d.max_bad_samples, epoch, s.rank)
+        batches = limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, s.rank)
         if not (s.train and s.augment_on_device):
             yield from batches
             return

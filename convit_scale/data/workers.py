@@ -1,14 +1,29 @@
 """What every torch DataLoader of the package shares: a private generator for the workers' seeds, and
-workers that leave the stop signals to the main process."""
+workers that leave the stop signals to the main process.
+
+Slurm's preemption and time limit send SIGTERM to every process of the job step, DataLoader workers
+included. A worker killed by it makes the main process raise (torch's SIGCHLD handler, or the next batch)
+instead of saving. So a worker ignores SIGTERM unless its main process sent it: that one is
+``multiprocessing``'s ``terminate()`` (torch's shutdown of a stuck worker, the interpreter's exit), and a
+worker deaf to it would hang its main process's exit for ever. SIGUSR1 and SIGINT are never sent by the
+main process and are ignored outright.
+
+The signals must not be able to arrive between the fork and the worker's first line: ``iterate`` starts
+the workers with the stop signals blocked in the forking thread, so they are born blocked (a fork and an
+exec keep the mask), and a signal that came meanwhile waits, pending, for the worker to decide.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import threading
 
 import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_IGNORED = (signal.SIGUSR1, signal.SIGINT)
 
 
 def private_generator(seed: int, epoch: int) -> torch.Generator:
@@ -17,16 +32,39 @@ def private_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1000003 + epoch)
 
 
-def _ignore_stop_signals(then, worker_id: int) -> None:
-    for sig in STOP_SIGNALS:
+def iterate(loader):
+    """The batches of a torch DataLoader whose workers are started with the stop signals blocked."""
+    if loader.num_workers == 0:
+        yield from loader
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        it = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came meanwhile is handled now
+    yield from it
+
+
+def _exit_on_sigterm_from(main_pid: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == main_pid:
+            os._exit(0)  # what torch's own worker handler does for its parent's SIGTERM
+
+
+def _worker_signals(then, main_pid: int, worker_id: int) -> None:
+    for sig in _IGNORED:
         signal.signal(sig, signal.SIG_IGN)
+    # SIGTERM stays blocked in every thread (threads inherit the mask); one thread takes each with its
+    # sender. Blocked, a signal is kept even if it was sent before this line.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_sigterm_from, args=(main_pid,), name="sigterm", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
     if then is not None:
         then(worker_id)
 
 
 def worker_init_fn(then=None):
-    """A DataLoader ``worker_init_fn`` (then ``then``, if given). Slurm's preemption sends SIGTERM to every
-    process of the job step, DataLoader workers included: a worker killed by it makes the main process
-    raise instead of saving. Workers ignore SIGTERM, SIGUSR1 and SIGINT; the main process handles them,
-    saves, and shuts its workers down. A module-level partial: picklable for forkserver and spawn."""
-    return functools.partial(_ignore_stop_signals, then)
+    """A DataLoader ``worker_init_fn`` (then ``then``, if given) that sets the workers' signals as the module
+    says. Call it in the main process: it records that process's pid. A module-level partial: picklable for
+    forkserver and spawn."""
+    return functools.partial(_worker_signals, then, os.getpid())
