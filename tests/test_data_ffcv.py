@@ -79,12 +79,20 @@ def test_abandoned_epochs_leave_no_thread(fm_ffcv):
 
 def test_decoder_threads_are_the_workers_only(fm_ffcv):
     """The decoders' threads scale with num_workers (bench data): numba's prange on OpenMP, and OpenCV's resize
-    without a pool of its own inside each of them (one thread per core per worker otherwise)."""
+    without a pool of its own inside each of them (one thread per core per worker otherwise); torch's own count
+    is left alone."""
     import os
 
     import numba
 
-    loader = _loader(fm_ffcv, workers=2)
-    _take(loader.epoch(0), 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the training step's threads (OMP_NUM_THREADS) are not the loader's to change
+    try:
+        loader = _loader(fm_ffcv, workers=2)
+        _take(loader.epoch(0), 1)
+        time.sleep(0.2)  # the epoch's thread sets its decoders' count when it starts
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
     assert numba.threading_layer() == "omp"
     assert os.environ["OPENCV_FOR_THREADS_NUM"] == "1"

@@ -9,6 +9,7 @@ first (same geometry). RandAugment, normalisation and random erasing are timm's.
 from __future__ import annotations
 
 import math
+import os
 import queue
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,15 @@ class PlanOrder(TraversalOrder):
     def sample_order(self, epoch: int) -> np.ndarray:
         return getattr(self.loader, "plan_order", self.indices)
 
+
+def _set_num_threads(cls, n: int) -> None:
+    """ffcv's ``Compiler.set_num_threads`` without its ``torch.set_num_threads(n)``: ffcv calls it on every Loader
+    and from every epoch's thread, and torch's count is the process's, the training step's (OMP_NUM_THREADS)."""
+    cls.num_threads = n if n >= 1 else (os.cpu_count() or 1)
+    numba.set_num_threads(cls.num_threads)
+
+
+Compiler.set_num_threads = classmethod(_set_num_threads)
 
 ORDER_KEY = "convit_scale_plan"
 ORDER_MAP[ORDER_KEY] = PlanOrder  # ffcv refuses an order class that is not registered
