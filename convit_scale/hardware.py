@@ -5,7 +5,16 @@ Peaks are dense 16-bit tensor-core TFLOP/s: bf16, except the V100, which has non
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: a Slurm allocation's (its cgroup's affinity mask), not the node's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class Gpu(NamedTuple):

@@ -48,7 +48,7 @@ class PrepOptions:
     """ffcv: 'jpg', 'raw', 'proportion' or 'smart'."""
     strict: bool = False
     """Fail instead of skipping unreadable files."""
-    workers: int = max(1, (os.cpu_count() or 1))
+    workers: int = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     val_labels: str | None = None
     val_synsets: str | None = None
 

@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from convit_scale.config import DataConfig
@@ -96,3 +97,26 @@ def test_decoder_threads_are_the_workers_only(fm_ffcv):
         torch.set_num_threads(before)
     assert numba.threading_layer() == "omp"
     assert os.environ["OPENCV_FOR_THREADS_NUM"] == "1"
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_ffcvs_thread_is_raised_not_waited_for(fm_ffcv, monkeypatch):
+    """ffcv's epoch thread dies with an exception (a failed compilation, a read error); the consumer raises it."""
+    from convit_scale.data.ffcv import _EpochIterator
+
+    run_pipeline = _EpochIterator.run_pipeline
+
+    def fails_at_the_third_batch(self, b_ix, *args):
+        if b_ix == 2:
+            raise MemoryError("no room for the batch")
+        return run_pipeline(self, b_ix, *args)
+
+    monkeypatch.setattr(_EpochIterator, "run_pipeline", fails_at_the_third_batch)
+    loader = _loader(fm_ffcv, workers=2, split="val")
+    baseline = threading.active_count()
+    got = []
+    with pytest.raises(RuntimeError, match="ffcv's loader thread failed: MemoryError: no room for the batch"):
+        for batch in loader.epoch(0):
+            got.append(batch)
+    assert len(got) == 2
+    assert threading.active_count() == baseline, threading.enumerate()

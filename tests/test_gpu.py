@@ -179,5 +179,8 @@ def test_ffcv_batches_reach_the_gpu_pinned(tree, tmp_path):
     spec = LoaderSpec("train", 224, 32, pin_memory=True, augment_on_device=True)
     batch = next(iter(build_loader(d, spec).epoch(0)))
     assert batch.images.is_pinned() and batch.images.dtype == torch.uint8
+    assert batch.images.is_contiguous(memory_format=torch.channels_last)  # one plain copy: no transposition here
+    unpinned = next(iter(build_loader(d, LoaderSpec("train", 224, 32, augment_on_device=True)).epoch(0)))
+    assert torch.equal(batch.images, unpinned.images) and torch.equal(batch.seeds, unpinned.seeds)
     out = augment_batch(batch.images.to("cuda", non_blocking=True), batch.seeds)
     assert out.is_cuda and out.is_contiguous() and out.shape == (32, 3, 224, 224)

@@ -1,6 +1,7 @@
 """The planner's memory model against the memory the engine measures on CPU (same configuration)."""
 
 import math
+import os
 import re
 
 import pytest
@@ -153,3 +154,17 @@ def test_plan_command_warns_when_the_loader_is_slower():
                   "1", env={"SLURM_CPUS_PER_TASK": "100000"})
     assert res.returncode == 0 and "100000 CPU cores per GPU" in res.stdout
     assert "the GPUs are slower than the loader" in res.stdout and "warning" not in res.stdout
+
+
+def test_default_cpus_per_gpu_are_the_ones_this_process_may_use(monkeypatch):
+    """Without Slurm's CPUs per task, the planner shares the CPUs of the process's affinity (a cgroup, taskset), not
+    the node's."""
+    from convit_scale.cli.plan import _default_cpus_per_gpu
+
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        assert _default_cpus_per_gpu(1) == 1 and _default_cpus_per_gpu(2) == 0.5
+    finally:
+        os.sched_setaffinity(0, allowed)

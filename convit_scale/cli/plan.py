@@ -46,10 +46,12 @@ def _cmd_plan(args) -> int:
 
 
 def _default_cpus_per_gpu(gpus_per_node: int) -> float:
-    """Slurm's CPUs per task (one task per GPU) when set, else this machine's cores shared by its GPUs."""
+    """Slurm's CPUs per task (one task per GPU) when set, else the CPUs this process may use shared by the GPUs."""
+    from ..hardware import usable_cpus
+
     slurm = os.environ.get("SLURM_CPUS_PER_TASK")
     if not slurm:
-        return (os.cpu_count() or 1) / gpus_per_node
+        return usable_cpus() / gpus_per_node
     try:
         return float(slurm)
     except ValueError:

@@ -3,10 +3,10 @@ embedded Fashion-MNIST tree."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from ..hardware import usable_cpus
 from .argtypes import fraction, int_between, positive_int
 
 
@@ -63,7 +63,8 @@ def register(sub) -> None:
                    help="ffcv: JPEG quality of re-encoded images, 1..100")
     p.add_argument("--write-mode", default="jpg", choices=["jpg", "raw", "proportion", "smart"], help="ffcv write mode")
     p.add_argument("--strict", action="store_true", help="fail on unreadable files instead of skipping them")
-    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="parallel processes")
+    p.add_argument("--workers", type=positive_int, default=usable_cpus(),
+                   help="parallel processes (default: the CPUs this process may use)")
     p.add_argument("--val-labels", help="flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt")
     p.add_argument("--val-synsets", help="with the devkit ground truth: wnids in ILSVRC id order")
     p.add_argument("--train-per-class", type=positive_int,

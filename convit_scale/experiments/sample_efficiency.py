@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..hardware import usable_cpus
 from ..metrics import read_records
 
 def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float, models: list[str],
@@ -13,7 +14,6 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
                           jobs: int = 1) -> dict:
     """Train every (model, f) pair, ``jobs`` runs at a time (each in its own processes, the cores split evenly
     between them: small models use one core far better than two); a finished run is not trained again."""
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     from data_prep import PrepOptions, prepare
@@ -40,7 +40,7 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
                          f"run.eval_every_epochs={max(1, epochs // 10)}"]  # a curve of ~10 points per run
             load_config(recipe, overrides)  # every run's options are checked before the first one starts
             runs.append((model, f, run, overrides))
-    threads = max(1, (os.cpu_count() or 1) // (jobs * nproc))
+    threads = max(1, usable_cpus() // (jobs * nproc))
 
     def train(model: str, f: float, run: Path, overrides: list[str]) -> float:
         if not _ends(run):
