@@ -10,13 +10,13 @@ timed separately). In device mode the loader's work is the same for both recipes
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from pathlib import Path
 
 import torch
 
+from ..hardware import usable_cpus
 from .worker import run_worker
 
 
@@ -181,7 +181,7 @@ def worker(spec: dict) -> dict:
     if spec["loader"] == "device_stage":
         from ..data.device_augment import DeviceAugmentConfig, device_augment_throughput
 
-        torch.set_num_threads(os.cpu_count() or 1)  # the device is the whole machine when it is the CPU
+        torch.set_num_threads(usable_cpus())  # the device is the whole machine when it is the CPU
         cuda = spec["device"].startswith("cuda")
         batch, steps = (256, 20) if cuda else (32, 2)
         cfgs = {"full": DeviceAugmentConfig(), "crop_flip": DeviceAugmentConfig(rand_augment=None, reprob=0.0)}
@@ -216,7 +216,7 @@ def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> 
     paths = {"imagefolder": tree, "wds": work / "wds", "ffcv": work / "ffcv"}
     prepare(tree, paths["wds"], PrepOptions(fmt="wds", shard_size=40, workers=2))
     prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2))
-    workers = sorted({1, 2, os.cpu_count() or 1})
+    workers = sorted({1, 2, usable_cpus()})
     cands = [("decode", None), ("threads", None), ("device_stage", None)] + [(f, m) for f in FORMATS for m in MODES]
     best: dict = {}
     ratios: dict = {"ffcv_full_2_vs_1_workers": [], "ffcv_full_vs_crop_flip": [], "threads_2_vs_1": []}
