@@ -262,5 +262,6 @@ def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> 
             v = loaders[f][t]["cpu"]["1"]["images_per_s"]
             results[f"{f}/{t}"] = {"images_per_s": v, "vs_raw_decode": v / raw}
     return {"seconds": seconds, "rounds": rounds, "workers": workers, "device": device, "results": results,
-            "loaders": loaders, "threads_images_per_s": threads, "device_stage_images_per_s": {"device": device, "img_size": 224, **device_stage},
+            "loaders": loaders, "threads_images_per_s": threads,
+            "device_stage_images_per_s": {"device": device, "img_size": 224, **device_stage},
             "targets": _targets(ratios, device_stage, device)}

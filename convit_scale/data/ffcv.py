@@ -9,7 +9,6 @@ first (same geometry). RandAugment, normalisation and random erasing are timm's.
 from __future__ import annotations
 
 import math
-import os
 import queue
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +19,7 @@ configure()  # before the first import of ffcv: its threads and OpenCV's
 
 import numba  # noqa: E402
 
+import ffcv.loader.loader as ffcv_loader_module
 import numpy as np
 import torch
 from ffcv.fields.basics import IntDecoder
@@ -35,6 +35,7 @@ from ffcv.traversal_order.base import TraversalOrder
 from PIL import Image
 
 from ..config import DataConfig
+from ..hardware import usable_cpus
 from .batch import Batch
 from .faults import limit_bad_samples, next_good, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec
@@ -57,7 +58,7 @@ class PlanOrder(TraversalOrder):
 def _set_num_threads(cls, n: int) -> None:
     """ffcv's ``Compiler.set_num_threads`` without its ``torch.set_num_threads(n)``: ffcv calls it on every Loader
     and from every epoch's thread, and torch's count is the process's, the training step's (OMP_NUM_THREADS)."""
-    cls.num_threads = n if n >= 1 else (os.cpu_count() or 1)
+    cls.num_threads = n if n >= 1 else usable_cpus()
     numba.set_num_threads(cls.num_threads)
 
 
@@ -256,15 +257,7 @@ class _EpochIterator(EpochIterator):
         return result
 
 
-class _Loader(Loader):
-    def __iter__(self):  # ffcv's, with the iterator above
-        Compiler.set_num_threads(self.num_workers)
-        order = self.next_traversal_order()
-        selected_order = order[:len(self) * self.batch_size]
-        self.next_epoch += 1
-        if self.code is None or self.recompile:
-            self.generate_code()
-        return _EpochIterator(self, selected_order)
+ffcv_loader_module.EpochIterator = _EpochIterator  # what ffcv's Loader.__iter__ starts
 
 
 class FfcvLoader:
@@ -305,7 +298,7 @@ class FfcvLoader:
     def _ffcv_loader(self) -> Loader:
         """Built once: each ffcv Loader compiles its pipeline with numba (seconds)."""
         if self._loader is None:
-            self._loader = _Loader(
+            self._loader = Loader(
                 str(self._path), batch_size=self.spec.micro_batch_size, num_workers=max(1, self.d.num_workers),
                 order=ORDER_KEY, indices=self._indices, seed=self.spec.seed, drop_last=self.spec.train,
                 os_cache=True, pipelines={"image": self._image_pipeline(), "label": [ViewLabelDecoder(), ToTensor(),
