@@ -76,27 +76,69 @@ def test_abandoned_epochs_leave_no_thread(fm_ffcv):
     next(it)
     it.close()
     assert threading.active_count() == baseline, threading.enumerate()
+    first = loader.epoch(0)  # the loader's buffers are shared: a new epoch closes the one before, which says so
+    next(first)
+    second = loader.epoch(1)
+    next(second)
+    with pytest.raises(RuntimeError, match="closed when a new epoch of the same loader started"):
+        next(first)
+    second.close()
+    assert threading.active_count() == baseline, threading.enumerate()
 
 
-def test_decoder_threads_are_the_workers_only(fm_ffcv):
-    """The decoders' threads scale with num_workers (bench data): numba's prange on OpenMP, and OpenCV's resize
-    without a pool of its own inside each of them (one thread per core per worker otherwise); torch's own count
-    is left alone."""
+def test_decoder_threads_are_the_workers_and_torch_count_untouched(fm_ffcv):
+    """num_workers threads decode whole batches (bench data: ffcv's one batch at a time over its threads waits
+    at every batch's end for the slowest), OpenCV's resize runs without a pool of its own inside each of them (one
+    thread per core per worker otherwise), and torch's count is left alone, by the loader and by importing ffcv."""
     import os
-
-    import numba
+    import subprocess
+    import sys
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the training step's threads (OMP_NUM_THREADS) are not the loader's to change
     try:
         loader = _loader(fm_ffcv, workers=2)
-        _take(loader.epoch(0), 1)
-        time.sleep(0.2)  # the epoch's thread sets its decoders' count when it starts
+        it = loader.epoch(0)
+        next(it)
+        assert sorted(t.name for t in threading.enumerate() if t.name.startswith("ffcv-")) == ["ffcv-epoch-0",
+                                                                                              "ffcv-epoch-1"]
+        it.close()
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    assert numba.threading_layer() == "omp"
     assert os.environ["OPENCV_FOR_THREADS_NUM"] == "1"
+    code = "import torch; torch.set_num_threads(3); import convit_scale.data.ffcv; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "3"
+
+
+def test_a_batch_slot_is_never_rewritten_while_its_batch_is_alive(fm_ffcv, monkeypatch):
+    """Threads that run ahead of a slow consumer, as far as their queues allow, never write a slot whose batch is
+    queued or still held by the consumer (it holds the batch it took until it asks for the next)."""
+    from convit_scale.data.ffcv import _EpochIterator
+
+    run_pipeline, take = _EpochIterator.run_pipeline, _EpochIterator.__next__
+    lock, alive, clashes = threading.Lock(), {}, []  # batch -> slot, from its start until the consumer lets it go
+
+    def watched_run(self, b, indices, slot):
+        with lock:
+            if slot in alive.values():
+                clashes.append((b, slot, dict(alive)))
+            alive[b] = slot
+        return run_pipeline(self, b, indices, slot)
+
+    def slow_take(self):
+        with lock:
+            alive.pop(self.next_batch - 1, None)  # asking for the next batch lets the last one go
+        result = take(self)
+        time.sleep(0.01)
+        return result
+
+    monkeypatch.setattr(_EpochIterator, "run_pipeline", watched_run)
+    monkeypatch.setattr(_EpochIterator, "__next__", slow_take)
+    loader = _loader(fm_ffcv, workers=3)
+    assert sum(1 for _ in loader.epoch(0)) == len(loader) > 3 * 7  # 3 threads: 7 slots, used three times over
+    assert not clashes, clashes[:3]
 
 
 @pytest.mark.timeout(120)

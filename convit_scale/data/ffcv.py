@@ -10,23 +10,26 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 from .ffcv_threads import configure
 
-configure()  # before the first import of ffcv: its threads and OpenCV's
+configure()  # before the first import of ffcv: OpenCV's threads
 
+import torch  # noqa: E402
+
+_TORCH_THREADS = torch.get_num_threads()  # importing ffcv sets it to 1 (``Compiler.set_num_threads(1)``)
+
+import ffcv.loader.loader as ffcv_loader_module  # noqa: E402
 import numba  # noqa: E402
-
-import ffcv.loader.loader as ffcv_loader_module
-import numpy as np
-import torch
+import numpy as np  # noqa: E402
 from ffcv.fields.basics import IntDecoder
 from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
 from ffcv.libffcv import imdecode, resize_crop
 from ffcv.loader import Loader
-from ffcv.loader.epoch_iterator import IS_CUDA, EpochIterator
+from ffcv.loader.epoch_iterator import select_buffer
 from ffcv.loader.loader import ORDER_MAP
 from ffcv.pipeline.compiler import Compiler
 from ffcv.pipeline.operation import Operation
@@ -35,7 +38,6 @@ from ffcv.traversal_order.base import TraversalOrder
 from PIL import Image
 
 from ..config import DataConfig
-from ..hardware import usable_cpus
 from .batch import Batch
 from .faults import limit_bad_samples, next_good, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec
@@ -43,6 +45,8 @@ from .plan import view_seeds
 from .private_aug import PrivateAugment
 from .transforms import MEAN, STD
 from .wds import read_manifest
+
+torch.set_num_threads(_TORCH_THREADS)
 
 
 class PlanOrder(TraversalOrder):
@@ -55,14 +59,14 @@ class PlanOrder(TraversalOrder):
         return getattr(self.loader, "plan_order", self.indices)
 
 
-def _set_num_threads(cls, n: int) -> None:
-    """ffcv's ``Compiler.set_num_threads`` without its ``torch.set_num_threads(n)``: ffcv calls it on every Loader
-    and from every epoch's thread, and torch's count is the process's, the training step's (OMP_NUM_THREADS)."""
-    cls.num_threads = n if n >= 1 else usable_cpus()
-    numba.set_num_threads(cls.num_threads)
+def _serial(cls, n: int) -> None:
+    """ffcv's ``Compiler.set_num_threads(n)`` sets numba's and torch's thread counts to n, for every Loader and
+    epoch, and makes the decoders compile with numba's prange over the batch. Here they compile serial: the loader's
+    threads run a batch each (``_EpochIterator``), and torch's count is the training step's (OMP_NUM_THREADS)."""
+    cls.num_threads = 1
 
 
-Compiler.set_num_threads = classmethod(_set_num_threads)
+Compiler.set_num_threads = classmethod(_serial)
 
 ORDER_KEY = "convit_scale_plan"
 ORDER_MAP[ORDER_KEY] = PlanOrder  # ffcv refuses an order class that is not registered
@@ -138,26 +142,25 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
     (cyclically) that decodes, cropped and flipped with its own seed, and its id is marked ``REPLACED`` in place
     (ffcv passes the traversal order's own memory), where FfcvLoader finds it to fix the label and list it.
 
-    Each thread decodes into a scratch row of its own, not one per image: ffcv gives every image of every batch
-    slot its own (batches_ahead + 2 slots x batch x the largest image: 141 MB at batch 64 and a 384-pixel side),
-    and a JPEG decoded into a cold row, then read by the resize, costs memory traffic. Measured on 2 cores in one
-    process, taking turns: +24% images/s with one worker (722 -> 898), +13% with two (1,214 -> 1,372)."""
+    A batch is one thread's (``_EpochIterator``), and its JPEGs are decoded one after the other into the slot's
+    first scratch row, not each into a row of its own: ffcv gives every image of every slot one (slots x batch x
+    the largest image: 141 MB at 5 slots, batch 64 and a 384-pixel side), and a JPEG decoded into a cold row, then
+    read by the resize, costs memory traffic. Measured on 2 cores in one process, taking turns: +24% images/s with
+    one worker (722 -> 898)."""
 
     def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0)):
         super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
         self.flip_prob = flip_prob
 
     def generate_code(self):
-        jpg, mem_read, my_range = IMAGE_MODES["jpg"], self.memory_read, Compiler.get_iterator()
+        jpg, mem_read = IMAGE_MODES["jpg"], self.memory_read
         imdecode_c, resize_crop_c = Compiler.compile(imdecode), Compiler.compile(resize_crop)
         scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, temp_storage = my_storage
-            n = len(batch_indices)
-            per_thread = numba.get_num_threads() <= n  # one scratch row per thread, else one per image
-            for dst_ix in my_range(n):
-                scratch = temp_storage[np.intp(numba.get_thread_id())] if per_thread else temp_storage[dst_ix]
+            n, scratch = len(batch_indices), temp_storage[0]  # a batch is one thread's (_EpochIterator)
+            for dst_ix in range(n):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
                 own = metadata[batch_indices[dst_ix] & FILE_INDEX]
                 height, width = np.uint32(own["height"]), np.uint32(own["width"])
@@ -182,7 +185,6 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
                     _flip_in_place(destination[dst_ix])
             return destination[:len(batch_indices)]
 
-        decode.is_parallel = True
         return decode
 
 
@@ -227,34 +229,110 @@ class _EvalNormalize(torch.nn.Module):
         return (batch.float() - mean) / std
 
 
-class _EpochIterator(EpochIterator):
-    """ffcv's epoch thread, except that an exception in it reaches the consumer. ffcv's thread dies with the
-    exception (a failed compilation, a read error, an out-of-memory) and its consumer waits on the queue for ever."""
+class _EpochIterator:
+    """One epoch of an ffcv Loader on ``num_workers`` threads that each run whole batches (batch k on thread
+    k mod num_workers), handed out in order. ffcv's own runs one batch at a time on one thread, its decoders spread
+    over the batch by numba's prange: every batch ends at a barrier (the threads that finish first wait for the
+    last) and the batch's serial work runs with the other threads idle. Side by side on 2 cores: <measured below>.
 
-    def run(self):
+    A thread that fails hands its exception to the consumer, which raises it naming the .beton (ffcv's thread
+    died with it and its consumer waited on the queue for ever). ``close()`` stops and joins the threads.
+
+    Slots: thread k writes batch b into slot b mod S of the loader's buffers. Thread k starts batch b only once
+    b - N is in its queue (q batches at most), so the consumer has taken b - (q + 1) N and holds nothing older
+    than that; every batch alive lies in (b - (q + 1) N, b], and S = (q + 1) N + 1 slots never collide. With one
+    thread and q = batches_ahead that is ffcv's batches_ahead + 2. The buffers are the loader's, kept across epochs
+    (ffcv allocated, and the kernel zeroed, hundreds of MB per epoch), so one epoch of a loader runs at a time: a
+    new one closes the one before."""
+
+    def __init__(self, loader: Loader, order: np.ndarray):
+        previous = getattr(loader, "live_epoch", None)
+        if previous is not None:
+            previous.superseded = True
+            previous.close()
+        self.loader, self.num_threads = loader, max(1, loader.num_workers)
+        self.batches = [order[i:i + loader.batch_size] for i in range(0, len(order), loader.batch_size)]
+        ahead = max(1, -(-loader.batches_ahead // self.num_threads))
+        self.slots = (ahead + 1) * self.num_threads + 1
+        if getattr(loader, "epoch_buffers", (0, None))[0] != self.slots:
+            loader.epoch_buffers = (self.slots, loader.graph.allocate_memory(loader.batch_size, self.slots))
+        self.memory = loader.epoch_buffers[1]
+        self.memory_context = loader.memory_manager.schedule_epoch(self.batches)  # the reads of the .beton
+        self.memory_context.__enter__()
+        self.storage_state, self.metadata = self.memory_context.state, loader.reader.metadata
+        self.queues = [queue.Queue(ahead) for _ in range(self.num_threads)]
+        self.stop, self.next_batch, self.closed, self.superseded = threading.Event(), 0, False, False
+        self.threads = [threading.Thread(target=self._work, args=(k,), daemon=True, name=f"ffcv-epoch-{k}")
+                        for k in range(self.num_threads)]
+        loader.live_epoch = self
+        for t in self.threads:
+            t.start()
+
+    def run_pipeline(self, b_ix: int, batch_indices: np.ndarray, slot: int):
+        """ffcv's ``EpochIterator.run_pipeline`` for a pipeline that stays on the CPU (no CUDA stream of its own):
+        the compiled stages on the slot's buffers."""
+        code, outputs = self.loader.code
+        args = {"batch_indices": batch_indices, "storage_state": self.storage_state, "metadata": self.metadata,
+                **{f"{kind}_{k}": select_buffer(v, slot, len(batch_indices))
+                   for prefix, kind in (("operation", "memory"), ("shared", "shared_memory"))
+                   for k, v in self.memory[prefix].items()}}
+        for stage_code, define_outputs in code:
+            for node_id, result in zip(define_outputs, stage_code(**args)):
+                args[f"result_{node_id}"] = result
+        return tuple(args[f"result_{x}"] for x in outputs)
+
+    def _work(self, k: int) -> None:
         try:
-            super().run()
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            while not self.terminate_event.is_set():
-                try:
-                    self.output_queue.put(e, timeout=0.5)
+            for b in range(k, len(self.batches), self.num_threads):
+                if self.stop.is_set() or not self._put(k, self.run_pipeline(b, self.batches[b], b % self.slots)):
                     return
-                except queue.Full:
-                    pass
+            self._put(k, None)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(k, e)
+
+    def _put(self, k: int, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queues[k].put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self):
+        return self
 
     def __next__(self):
-        result = self.output_queue.get()
+        if self.closed:
+            if self.superseded:
+                raise RuntimeError(f"{self.loader.fname}: this epoch was closed when a new epoch of the same loader "
+                                   "started (its buffers are shared: one epoch of a loader at a time)")
+            raise StopIteration()
+        result = self.queues[self.next_batch % self.num_threads].get()
         if isinstance(result, BaseException):
             self.close()
-            raise RuntimeError(f"{self.loader.fname}: ffcv's loader thread failed: "
-                               f"{reason_of(result)}") from result
+            raise RuntimeError(f"{self.loader.fname}: ffcv's loader thread failed: {reason_of(result)}") from result
         if result is None:
             self.close()
             raise StopIteration()
-        slot, result = result
-        if IS_CUDA:  # as ffcv's: wait for the copy its stream made
-            self.current_stream.wait_stream(self.cuda_streams[slot])
+        self.next_batch += 1
         return result
+
+    def close(self) -> None:
+        """Stop the threads and wait for them (one blocked on a full queue is let go by the stop flag)."""
+        self.closed = True
+        self.stop.set()
+        for t in self.threads:
+            while t.is_alive():
+                for q in self.queues:
+                    try:
+                        q.get_nowait()
+                    except queue.Empty:
+                        pass
+                t.join(timeout=0.05)
+        if self.loader.live_epoch is self:
+            self.loader.live_epoch = None
+            self.memory_context.__exit__(None, None, None)
 
 
 ffcv_loader_module.EpochIterator = _EpochIterator  # what ffcv's Loader.__iter__ starts
@@ -324,7 +402,7 @@ class FfcvLoader:
         try:
             yield from limit_bad_samples(self._batches(it, order), self.d.max_bad_samples, epoch, self.spec.rank)
         finally:
-            _shut_down(it)
+            it.close()
 
     def _batches(self, it, order: np.ndarray):
         first = 0
@@ -353,17 +431,3 @@ class FfcvLoader:
                 seeds = torch.from_numpy(((views & ~REPLACED) >> ID_BITS).astype(np.int64))
             batch = Batch(images, labels, seeds, bad=bad)
             yield batch.pin_memory() if self.spec.pin_memory else batch  # images: already pinned, kept as they are
-
-
-def _shut_down(it) -> None:
-    """Stop an ffcv EpochIterator and wait for its thread. ffcv's ``close()`` only raises a flag, and a
-    thread that has finished its batches then blocks for ever on a full queue that nobody reads."""
-    it.iter_ixes = iter(())  # start no further batch
-    it.terminate_event.set()
-    while it.is_alive():
-        try:
-            it.output_queue.get_nowait()
-        except queue.Empty:
-            pass
-        it.join(timeout=0.05)
-    it.close()
