@@ -192,11 +192,12 @@ class _RGBDataset:
 
 
 def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
-    from convit_scale.data.ffcv_threads import configure
+    from convit_scale.data.ffcv_threads import configure, torch_threads_kept
 
     configure()  # before ffcv's first import in this process: the loaders' thread settings
-    from ffcv.fields import IntField, RGBImageField
-    from ffcv.writer import DatasetWriter
+    with torch_threads_kept():
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.writer import DatasetWriter
 
     name = f"{split}_{opts.max_resolution}_{opts.write_mode}_q{opts.jpeg_quality}_f{opts.subset_fraction:g}.beton"
     final = out / name
@@ -368,10 +369,11 @@ def verify(out: str | Path) -> list[str]:
 
 def _read_labels(path: Path, fmt: str) -> list[int]:
     if fmt == "ffcv":
-        from convit_scale.data.ffcv_threads import configure
+        from convit_scale.data.ffcv_threads import configure, torch_threads_kept
 
         configure()
-        from ffcv.reader import Reader
+        with torch_threads_kept():
+            from ffcv.reader import Reader
 
         return _ffcv_labels(Reader(str(path)))
     labels = []

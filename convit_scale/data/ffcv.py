@@ -14,28 +14,29 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from .ffcv_threads import configure
+from .ffcv_threads import configure, torch_threads_kept
 
 configure()  # before the first import of ffcv: OpenCV's threads
 
-import torch  # noqa: E402
-
-_TORCH_THREADS = torch.get_num_threads()  # importing ffcv sets it to 1 (``Compiler.set_num_threads(1)``)
-
-import ffcv.loader.loader as ffcv_loader_module  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
-from ffcv.fields.basics import IntDecoder
-from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
-from ffcv.libffcv import imdecode, resize_crop
-from ffcv.loader import Loader
-from ffcv.loader.epoch_iterator import select_buffer
-from ffcv.loader.loader import ORDER_MAP
-from ffcv.pipeline.compiler import Compiler
-from ffcv.pipeline.operation import Operation
-from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
-from ffcv.traversal_order.base import TraversalOrder
-from PIL import Image
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+with torch_threads_kept():
+    import ffcv.loader.loader as ffcv_loader_module
+    from ffcv.fields.basics import IntDecoder
+    from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.libffcv import imdecode, resize_crop
+    from ffcv.loader import Loader
+    from ffcv.loader.epoch_iterator import select_buffer
+    from ffcv.loader.loader import ORDER_MAP
+    from ffcv.memory_managers.os_cache import OSCacheManager
+    from ffcv.pipeline.allocation_query import AllocationQuery
+    from ffcv.pipeline.compiler import Compiler
+    from ffcv.pipeline.operation import Operation
+    from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
+    from ffcv.traversal_order.base import TraversalOrder
 
 from ..config import DataConfig
 from .batch import Batch
@@ -45,8 +46,6 @@ from .plan import view_seeds
 from .private_aug import PrivateAugment
 from .transforms import MEAN, STD
 from .wds import read_manifest
-
-torch.set_num_threads(_TORCH_THREADS)
 
 
 class PlanOrder(TraversalOrder):
@@ -188,6 +187,35 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
         return decode
 
 
+class CenterCropScratchDecoder(CenterCropRGBImageDecoder):
+    """ffcv's eval decoder (centre crop of ``ratio``, resized) with the JPEGs decoded one after the other into the
+    slot's first scratch row, as ``SeededCropFlipDecoder`` does, instead of a row per image: the slot count grows
+    with the workers (``_EpochIterator``), and at an eval batch of 128 a row per image is 56 MB per slot."""
+
+    def generate_code(self):
+        jpg, mem_read, ratio = IMAGE_MODES["jpg"], self.memory_read, self.ratio
+        imdecode_c, resize_crop_c = Compiler.compile(imdecode), Compiler.compile(resize_crop)
+        center_crop = Compiler.compile(self.get_crop_generator)
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination, temp_storage = my_storage
+            scratch = temp_storage[0]  # a batch is one thread's (_EpochIterator)
+            for dst_ix in range(len(batch_indices)):
+                field = metadata[batch_indices[dst_ix]]
+                image_data = mem_read(field["data_ptr"], storage_state)
+                height, width = np.uint32(field["height"]), np.uint32(field["width"])
+                if field["mode"] == jpg:
+                    imdecode_c(image_data, scratch, height, width, height, width, 0, 0, 1, 1, False, False)
+                    temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
+                else:
+                    temp_buffer = image_data.reshape(height, width, 3)
+                i, j, h, w = center_crop(height, width, None, ratio)
+                resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
+            return destination[:len(batch_indices)]
+
+        return decode
+
+
 class ViewLabelDecoder(IntDecoder):
     """The label of a view id (its low bits are the file index)."""
 
@@ -229,11 +257,32 @@ class _EvalNormalize(torch.nn.Module):
         return (batch.float() - mean) / std
 
 
+def _allocate(graph, batch_size: int, slots: int) -> dict:
+    """ffcv's ``Graph.allocate_memory`` without page-locking: ffcv pins every buffer when CUDA is available, for
+    its own device copies. Batches leave these buffers through the consumer's copy (into page-locked memory when
+    the run pins), so they stay pageable, and what the decoders never touch (the scratch rows past a slot's first)
+    takes no memory."""
+    requirements, _ = graph.collect_requirements()
+
+    def one(q: AllocationQuery):
+        if isinstance(q.dtype, torch.dtype):
+            return [torch.empty(batch_size, *q.shape, dtype=q.dtype, device=q.device) for _ in range(slots)]
+        return np.empty((slots, batch_size, *q.shape), dtype=q.dtype)
+
+    return {kind: {node: (one(q) if isinstance(q, AllocationQuery) else
+                          tuple(one(x) for x in q) if isinstance(q, (tuple, list)) else None)
+                   for node, q in queries.items()}
+            for kind, queries in requirements.items()}
+
+
 class _EpochIterator:
     """One epoch of an ffcv Loader on ``num_workers`` threads that each run whole batches (batch k on thread
     k mod num_workers), handed out in order. ffcv's own runs one batch at a time on one thread, its decoders spread
     over the batch by numba's prange: every batch ends at a barrier (the threads that finish first wait for the
-    last) and the batch's serial work runs with the other threads idle. Side by side on 2 cores: <measured below>.
+    last) and the batch's serial work runs with the other threads idle. Side by side in one process on 2 cores,
+    device mode, 2 workers: +24% images/s (BENCHMARKS.md, "Data loading", for the scaling). The threads are the epoch's: none outlives it. turbojpeg keeps a handle per thread that ffcv never frees:
+    about 6 KB per thread and epoch (measured: 11 KB per epoch at 2 workers), 30 MB over 300 epochs at 8 workers
+    with train and eval.
 
     A thread that fails hands its exception to the consumer, which raises it naming the .beton (ffcv's thread
     died with it and its consumer waited on the queue for ever). ``close()`` stops and joins the threads.
@@ -255,8 +304,10 @@ class _EpochIterator:
         ahead = max(1, -(-loader.batches_ahead // self.num_threads))
         self.slots = (ahead + 1) * self.num_threads + 1
         if getattr(loader, "epoch_buffers", (0, None))[0] != self.slots:
-            loader.epoch_buffers = (self.slots, loader.graph.allocate_memory(loader.batch_size, self.slots))
+            loader.epoch_buffers = (self.slots, _allocate(loader.graph, loader.batch_size, self.slots))
         self.memory = loader.epoch_buffers[1]
+        if not isinstance(loader.memory_manager, OSCacheManager):  # the others schedule reads for one thread
+            raise ValueError(f"{loader.fname}: the FFCV loader's threads need os_cache=True")
         self.memory_context = loader.memory_manager.schedule_epoch(self.batches)  # the reads of the .beton
         self.memory_context.__enter__()
         self.storage_state, self.metadata = self.memory_context.state, loader.reader.metadata
@@ -265,8 +316,12 @@ class _EpochIterator:
         self.threads = [threading.Thread(target=self._work, args=(k,), daemon=True, name=f"ffcv-epoch-{k}")
                         for k in range(self.num_threads)]
         loader.live_epoch = self
-        for t in self.threads:
-            t.start()
+        try:
+            for t in self.threads:
+                t.start()
+        except BaseException:
+            self.close()
+            raise
 
     def run_pipeline(self, b_ix: int, batch_indices: np.ndarray, slot: int):
         """ffcv's ``EpochIterator.run_pipeline`` for a pipeline that stays on the CPU (no CUDA stream of its own):
@@ -323,7 +378,7 @@ class _EpochIterator:
         self.closed = True
         self.stop.set()
         for t in self.threads:
-            while t.is_alive():
+            while t.is_alive() and t is not threading.current_thread():
                 for q in self.queues:
                     try:
                         q.get_nowait()
@@ -361,7 +416,7 @@ class FfcvLoader:
     def _image_pipeline(self) -> list:
         d, size, on_device = self.d, self.spec.img_size, self.spec.augment_on_device
         if not self.spec.train:
-            return [CenterCropRGBImageDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
+            return [CenterCropScratchDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
         if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
             return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), ToTensor(), ToTorchImage()]

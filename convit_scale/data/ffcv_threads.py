@@ -9,6 +9,7 @@ used.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -16,3 +17,16 @@ def configure() -> None:
     """Idempotent and cheap (imports nothing): the package runs it on import, so every process of a run and its
     children (torchrun's ranks, loader workers) inherit it. A value the environment already gives is kept."""
     os.environ.setdefault("OPENCV_FOR_THREADS_NUM", "1")
+
+
+@contextlib.contextmanager
+def torch_threads_kept():
+    """Around an import of ffcv: the first one sets torch's thread count (the training step's, OMP_NUM_THREADS) to 1
+    (its ``Compiler.set_num_threads(1)`` at import). Every import of ffcv in the package goes through this."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -59,7 +59,10 @@ def _quiet_tqdm():
     first imported, which may already have happened, so the writer's name is bound to a disabled bar instead."""
     import functools
 
-    import ffcv.writer
+    from ..data.ffcv_threads import torch_threads_kept
+
+    with torch_threads_kept():
+        import ffcv.writer
 
     bar = ffcv.writer.tqdm
     ffcv.writer.tqdm = functools.partial(bar, disable=True)
