@@ -10,6 +10,7 @@ timed separately). In device mode the loader's work is the same for both recipes
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from pathlib import Path
@@ -140,14 +141,24 @@ def _build_loader(fmt: str, path: str, transform: str, mode: str, workers: int):
     return loader
 
 
+def steady_state(arrivals: list[float], sizes: list[int], workers: int) -> tuple[int, float]:
+    """(images, seconds) of an epoch's steady state: its batches ``workers`` .. ``m * workers - 1``, from the
+    arrival of batch ``workers - 1`` to that of batch ``m * workers - 1`` (see ``_loader_rates``)."""
+    last = len(arrivals) // workers * workers - 1
+    return sum(sizes[workers:last + 1]), arrivals[last] - arrivals[workers - 1]
+
+
 def _loader_rates(spec: dict) -> dict:
     """Images/s of one rank's train loader for both recipes at each worker count, and CPU ms per image (this
     process and its workers, whole epochs). The loaders take turns, one epoch at a time, until each has run
     ``seconds``: a machine whose speed drifts (a shared VM) moves all of them alike, so their ratios hold.
 
-    The rate is the steady state: images after each epoch's first batch over the time since that batch came.
-    The bench's epochs are 10 batches, and filling the pipeline (starting workers, a thread, the first
-    batches) is a cost an ImageNet epoch of 1,250 batches per rank pays once."""
+    The rate is the steady state. Worker k makes batches k, k + N, ...: they come in waves of N made side by side.
+    The rate counts whole waves after the first, from the arrival of batch N - 1 to that of the last batch of the
+    last whole wave (both made by the same worker). Counting from the first batch credits N - 1 batches to no time,
+    and a last partial wave is made while the other workers have nothing left to do; an ImageNet epoch of 1,250
+    batches per rank pays both ends once, the bench's few batches would weigh them tens of percent.
+    ``bench_data`` sizes the epochs to at least 2N batches."""
     keys = [(t, w) for t in RECIPES for w in spec["workers"]]
     loaders = {k: _build_loader(spec["loader"], spec["path"], k[0], spec["mode"], k[1]) for k in keys}
     zero = dict.fromkeys(keys, 0.0)
@@ -155,16 +166,17 @@ def _loader_rates(spec: dict) -> dict:
     epoch = 0
     while min(wall.values()) < spec["seconds"]:
         for k in keys:
-            c0, first = _cpu_seconds(), None
+            c0, arrivals, sizes = _cpu_seconds(), [], []
             for x, _ in loaders[k].epoch(epoch):
-                if first is None:
-                    first = time.perf_counter()
-                else:
-                    n[k] += len(x)
-                images[k] += len(x)
-            if first is None:
-                raise SystemExit(f"error: bench data: {spec['loader']} gave no batch of {BATCH} in epoch {epoch}")
-            wall[k] += time.perf_counter() - first
+                arrivals.append(time.perf_counter())
+                sizes.append(len(x))
+            if len(arrivals) < 2 * k[1]:
+                raise SystemExit(f"error: bench data: {spec['loader']} gave {len(arrivals)} batches of {BATCH} in "
+                                 f"epoch {epoch}; {k[1]} workers need {2 * k[1]}")
+            counted, seconds = steady_state(arrivals, sizes, k[1])
+            n[k] += counted
+            wall[k] += seconds
+            images[k] += sum(sizes)
             cpu[k] += _cpu_seconds() - c0
         epoch += 1
     return {t: {str(w): {"images_per_s": n[t, w] / wall[t, w], "cpu_ms_per_image": 1000 * cpu[t, w] / images[t, w]}
@@ -212,11 +224,12 @@ def _targets(ratios: dict, device_stage: dict, device: str) -> dict:
 def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> dict:
     from data_prep import PrepOptions, prepare
 
-    tree = make_photo_tree(work / "tree")
+    workers = sorted({1, 2, usable_cpus()})
+    per_class = max(160, math.ceil(2 * workers[-1] * BATCH / 4))  # epochs of 2N batches at least
+    tree = make_photo_tree(work / "tree", per_class=per_class)
     paths = {"imagefolder": tree, "wds": work / "wds", "ffcv": work / "ffcv"}
     prepare(tree, paths["wds"], PrepOptions(fmt="wds", shard_size=40, workers=2))
     prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2))
-    workers = sorted({1, 2, usable_cpus()})
     cands = [("decode", None), ("threads", None), ("device_stage", None)] + [(f, m) for f in FORMATS for m in MODES]
     best: dict = {}
     ratios: dict = {"ffcv_full_2_vs_1_workers": [], "ffcv_full_vs_crop_flip": [], "threads_2_vs_1": []}
