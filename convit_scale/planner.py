@@ -32,14 +32,14 @@ from .parallel.zero import zero_sizes
 IMAGENET_TRAIN = 1_281_167
 
 LOADER_CPU_MS_PER_IMAGE = {
-    ("ffcv", "cpu"): 6.54, ("ffcv", "device"): 1.53,
-    ("wds", "cpu"): 8.79, ("wds", "device"): 6.33,
-    ("imagefolder", "cpu"): 8.65, ("imagefolder", "device"): 6.16,
+    ("ffcv", "cpu"): 3.84, ("ffcv", "device"): 0.96,
+    ("wds", "cpu"): 5.34, ("wds", "device"): 3.33,
+    ("imagefolder", "cpu"): 4.79, ("imagefolder", "device"): 3.55,
 }
 """CPU milliseconds per training image of one rank's loader (all its workers), full DeiT recipe at 224, by
 (data.format, where the augmentation after the crop runs): ``cpu_ms_per_image`` at 1 worker from
-``convit-scale bench data --rounds 1 --seconds 4 --out runs/bench`` (BENCHMARKS.md, "Data loading"; 2 shared
-x86-64 cores, 500x375 JPEGs; the .beton holds them at a 384-pixel max side)."""
+``convit-scale bench data --rounds 3 --seconds 5 --device cpu --out runs/bench`` (BENCHMARKS.md, "Data loading";
+2 shared x86-64 cores, 500x375 JPEGs; the .beton holds them at a 384-pixel max side)."""
 
 
 @dataclass
