@@ -162,3 +162,14 @@ def test_a_failure_in_ffcvs_thread_is_raised_not_waited_for(fm_ffcv, monkeypatch
             got.append(batch)
     assert len(got) == 2
     assert threading.active_count() == baseline, threading.enumerate()
+
+
+@pytest.mark.parametrize("split,on_device", [("train", True), ("train", False), ("val", True)])
+def test_batches_kept_by_the_consumer_are_not_overwritten(fm_ffcv, split, on_device):
+    """Every batch is the consumer's to keep: a whole epoch held without copies equals one copied batch by batch
+    (a batch that viewed a slot of the loader's buffers would hold a later batch's pixels)."""
+    d = DataConfig(format="ffcv", train_path=str(fm_ffcv), val_path=str(fm_ffcv), num_workers=2, repeated_aug=1)
+    loader = build_loader(d, LoaderSpec(split, 32, 16, seed=3, augment_on_device=on_device))
+    kept = [(x, y) for x, y in loader.epoch(0)]
+    assert len(kept) > 7  # more batches than the loader's slots at 2 workers
+    assert _equal(kept, _take(loader.epoch(0), len(kept)))
