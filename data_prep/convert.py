@@ -192,10 +192,9 @@ class _RGBDataset:
 
 
 def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
-    from convit_scale.data.ffcv_threads import configure, torch_threads_kept
+    from convit_scale.data.ffcv_threads import importing_ffcv
 
-    configure()  # before ffcv's first import in this process: the loaders' thread settings
-    with torch_threads_kept():
+    with importing_ffcv():
         from ffcv.fields import IntField, RGBImageField
         from ffcv.writer import DatasetWriter
 
@@ -369,10 +368,9 @@ def verify(out: str | Path) -> list[str]:
 
 def _read_labels(path: Path, fmt: str) -> list[int]:
     if fmt == "ffcv":
-        from convit_scale.data.ffcv_threads import configure, torch_threads_kept
+        from convit_scale.data.ffcv_threads import importing_ffcv
 
-        configure()
-        with torch_threads_kept():
+        with importing_ffcv():
             from ffcv.reader import Reader
 
         return _ffcv_labels(Reader(str(path)))

@@ -14,16 +14,14 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from .ffcv_threads import configure, torch_threads_kept
+import numba
+import numpy as np
+import torch
+from PIL import Image
 
-configure()  # before the first import of ffcv: OpenCV's threads
+from .ffcv_threads import importing_ffcv
 
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
-
-with torch_threads_kept():
+with importing_ffcv():
     import ffcv.loader.loader as ffcv_loader_module
     from ffcv.fields.basics import IntDecoder
     from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
@@ -295,6 +293,8 @@ class _EpochIterator:
     new one closes the one before."""
 
     def __init__(self, loader: Loader, order: np.ndarray):
+        if not isinstance(loader.memory_manager, OSCacheManager):  # the others schedule reads for one thread
+            raise ValueError(f"{loader.fname}: the FFCV loader's threads need os_cache=True")
         previous = getattr(loader, "live_epoch", None)
         if previous is not None:
             previous.superseded = True
@@ -306,8 +306,6 @@ class _EpochIterator:
         if getattr(loader, "epoch_buffers", (0, None))[0] != self.slots:
             loader.epoch_buffers = (self.slots, _allocate(loader.graph, loader.batch_size, self.slots))
         self.memory = loader.epoch_buffers[1]
-        if not isinstance(loader.memory_manager, OSCacheManager):  # the others schedule reads for one thread
-            raise ValueError(f"{loader.fname}: the FFCV loader's threads need os_cache=True")
         self.memory_context = loader.memory_manager.schedule_epoch(self.batches)  # the reads of the .beton
         self.memory_context.__enter__()
         self.storage_state, self.metadata = self.memory_context.state, loader.reader.metadata

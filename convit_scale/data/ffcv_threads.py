@@ -20,11 +20,12 @@ def configure() -> None:
 
 
 @contextlib.contextmanager
-def torch_threads_kept():
-    """Around an import of ffcv: the first one sets torch's thread count (the training step's, OMP_NUM_THREADS) to 1
-    (its ``Compiler.set_num_threads(1)`` at import). Every import of ffcv in the package goes through this."""
+def importing_ffcv():
+    """Around every import of ffcv in the package: ``configure()`` first, and torch's thread count (the training
+    step's, OMP_NUM_THREADS) kept, which ffcv's first import sets to 1 (its ``Compiler.set_num_threads(1)``)."""
     import torch
 
+    configure()
     threads = torch.get_num_threads()
     try:
         yield

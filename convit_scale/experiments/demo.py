@@ -59,9 +59,9 @@ def _quiet_tqdm():
     first imported, which may already have happened, so the writer's name is bound to a disabled bar instead."""
     import functools
 
-    from ..data.ffcv_threads import torch_threads_kept
+    from ..data.ffcv_threads import importing_ffcv
 
-    with torch_threads_kept():
+    with importing_ffcv():
         import ffcv.writer
 
     bar = ffcv.writer.tqdm
