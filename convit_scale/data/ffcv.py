@@ -273,6 +273,20 @@ def _allocate(graph, batch_size: int, slots: int) -> dict:
             for kind, queries in requirements.items()}
 
 
+def run_stages(loader: Loader, memory: dict, slot: int, batch_indices: np.ndarray, storage_state, metadata):
+    """ffcv's ``EpochIterator.run_pipeline`` for a pipeline that stays on the CPU (no CUDA stream of its own): the
+    loader's compiled stages on slot ``slot`` of ``memory`` (``_allocate``'s buffers)."""
+    code, outputs = loader.code
+    args = {"batch_indices": batch_indices, "storage_state": storage_state, "metadata": metadata,
+            **{f"{kind}_{k}": select_buffer(v, slot, len(batch_indices))
+               for prefix, kind in (("operation", "memory"), ("shared", "shared_memory"))
+               for k, v in memory[prefix].items()}}
+    for stage_code, define_outputs in code:
+        for node_id, result in zip(define_outputs, stage_code(**args)):
+            args[f"result_{node_id}"] = result
+    return tuple(args[f"result_{x}"] for x in outputs)
+
+
 class _EpochIterator:
     """One epoch of an ffcv Loader on ``num_workers`` threads that each run whole batches (batch k on thread
     k mod num_workers), handed out in order. ffcv's own runs one batch at a time on one thread, its decoders spread
@@ -322,17 +336,7 @@ class _EpochIterator:
             raise
 
     def run_pipeline(self, b_ix: int, batch_indices: np.ndarray, slot: int):
-        """ffcv's ``EpochIterator.run_pipeline`` for a pipeline that stays on the CPU (no CUDA stream of its own):
-        the compiled stages on the slot's buffers."""
-        code, outputs = self.loader.code
-        args = {"batch_indices": batch_indices, "storage_state": self.storage_state, "metadata": self.metadata,
-                **{f"{kind}_{k}": select_buffer(v, slot, len(batch_indices))
-                   for prefix, kind in (("operation", "memory"), ("shared", "shared_memory"))
-                   for k, v in self.memory[prefix].items()}}
-        for stage_code, define_outputs in code:
-            for node_id, result in zip(define_outputs, stage_code(**args)):
-                args[f"result_{node_id}"] = result
-        return tuple(args[f"result_{x}"] for x in outputs)
+        return run_stages(self.loader, self.memory, slot, batch_indices, self.storage_state, self.metadata)
 
     def _work(self, k: int) -> None:
         try:
