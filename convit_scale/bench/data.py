@@ -72,13 +72,37 @@ def _decode_rate(tree: str, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _run_threads(run, workers: int, what: str) -> float:
+    """Seconds for ``run(k)`` on threads k = 0 .. workers - 1, from the first start to the last join. A thread's
+    failure is raised here, as "``what`` failed": a thread that died would otherwise pass for a slow one."""
+    import threading
+
+    failed = []
+
+    def guarded(k: int) -> None:
+        try:
+            run(k)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            failed.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(workers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if failed:
+        raise RuntimeError(f"bench data: {what} failed: {failed[0]!r}") from failed[0]
+    return seconds
+
+
 def _thread_rates(tree: str, seconds: float, workers: list[int]) -> dict:
     """Images/s of 1..N threads that share nothing, each decoding (PIL, which releases the GIL) and resizing to 224
     the tree's training JPEGs re-encoded at FFCV's 384-pixel side, for as long as the others: the most this
     machine's cores give threads that never wait for each other, the ceiling of a loader's scaling. The thread
     counts take turns, a second at a time."""
     import io
-    import threading
 
     from PIL import Image
 
@@ -100,14 +124,9 @@ def _thread_rates(tree: str, seconds: float, workers: list[int]) -> dict:
     n, wall = dict.fromkeys(workers, 0), dict.fromkeys(workers, 0.0)
     while min(wall.values()) < seconds:
         for w in workers:
-            counts, t0 = [0] * w, time.perf_counter()
-            threads = [threading.Thread(target=one, args=(t0 + 1.0, counts, k)) for k in range(w)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            counts, until = [0] * w, time.perf_counter() + 1.0
+            wall[w] += _run_threads(lambda k: one(until, counts, k), w, "a PIL thread")
             n[w] += sum(counts)
-            wall[w] += time.perf_counter() - t0
     return {str(w): n[w] / wall[w] for w in workers}
 
 
@@ -159,8 +178,6 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
 
     Returns (images, seconds, {batch number: the pipeline's outputs}) for each thread's last batch (views of its
     buffers): the loader gives the same batches."""
-    import threading
-
     from ..data.ffcv import _allocate, run_stages
 
     ffcv_loader = loader._ffcv_loader()
@@ -170,25 +187,14 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
         if k not in buffers:
             buffers[k] = _allocate(ffcv_loader.graph, size, 1)
     with ffcv_loader.memory_manager.schedule_epoch(batches) as context:
-        last, failed = {}, []
+        last = {}
 
         def run(k: int) -> None:
-            try:
-                for b in range(k, len(batches), workers):
-                    last[k] = b, run_stages(ffcv_loader, buffers[k], 0, batches[b], context.state,
-                                            ffcv_loader.reader.metadata)
-            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-                failed.append(e)
+            for b in range(k, len(batches), workers):
+                last[k] = b, run_stages(ffcv_loader, buffers[k], 0, batches[b], context.state,
+                                        ffcv_loader.reader.metadata)
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(workers)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
-    if failed:
-        raise RuntimeError(f"bench data: the FFCV ceiling's thread failed: {failed[0]!r}") from failed[0]
+        seconds = _run_threads(run, workers, "the FFCV ceiling's thread")
     return len(batches) * size, seconds, dict(last.values())
 
 
