@@ -32,9 +32,9 @@ from .parallel.zero import zero_sizes
 IMAGENET_TRAIN = 1_281_167
 
 LOADER_CPU_MS_PER_IMAGE = {
-    ("ffcv", "cpu"): 3.91, ("ffcv", "device"): 0.94,
-    ("wds", "cpu"): 5.75, ("wds", "device"): 3.75,
-    ("imagefolder", "cpu"): 5.46, ("imagefolder", "device"): 3.34,
+    ("ffcv", "cpu"): 4.93, ("ffcv", "device"): 1.11,
+    ("wds", "cpu"): 7.33, ("wds", "device"): 4.30,
+    ("imagefolder", "cpu"): 6.35, ("imagefolder", "device"): 4.28,
 }
 """CPU milliseconds per training image of one rank's loader (all its workers), full DeiT recipe at 224, by
 (data.format, where the augmentation after the crop runs): ``cpu_ms_per_image`` at 1 worker from

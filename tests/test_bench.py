@@ -63,3 +63,32 @@ def test_memory_bench_pins_the_cpu_zero_sizes(strategy):
     for zero in (pinned, cpu):  # sub-groups have no key: on CUDA they stay DeepSpeed's
         zero.pop("sub_group_size", None)
     assert pinned == cpu and cpu["reduce_bucket_size"] == math.floor(params / 10)
+
+
+COPY_FAULTS = """
+import resource, statistics, torch
+crops = torch.zeros(64, 224, 224, 3, dtype=torch.uint8)  # a loader's reused buffer
+faults = []
+for _ in range(24):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    batch = crops.clone()  # what leaves the loader each batch
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    del batch
+print(statistics.median(faults[-8:]))  # glibc settles after a few: its threshold rises as blocks are freed
+"""
+
+
+def test_data_bench_copies_batches_as_training_does():
+    """`bench data` workers run with training's malloc, not the memory benchmarks' (RSS_ENV): there a batch copied
+    out of the loader would page-fault all its 9.6 MB afresh (and unmap it across cores) every batch."""
+    import subprocess
+    import sys
+
+    def faults_per_copy(kind: str) -> float:
+        out = subprocess.run([sys.executable, "-c", COPY_FAULTS], env=worker.worker_env(kind), capture_output=True,
+                             text=True, check=True)
+        return float(out.stdout.split()[-1])
+
+    assert set(worker.MEASURES_MEMORY) == {"model", "train", "distill", "data"}
+    assert faults_per_copy("data") < 100
+    assert worker.worker_env("model").items() >= worker.RSS_ENV.items()  # where the copy faults, page by page

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import records, run_cli, run_ranks, tiny_recipe
+from convit_scale.bench.worker import RSS_ENV
 from convit_scale.config import ConfigError, load_config
 from convit_scale.planner import model_facts, plan
 
@@ -35,7 +36,7 @@ def test_memory_model_matches_engine_on_cpu(fm_tree, tmp_path, strategy):
                     model={"name": "deit_small", "img_size": 32, "drop_path_rate": 0.0},
                     data={"val_path": "", "global_batch_size": 64}, parallel={"strategy": strategy},
                     schedule={"max_steps": 3}, log={"debug_memory": True})
-    res = run_ranks(r, env={"MALLOC_MMAP_THRESHOLD_": "1048576"})
+    res = run_ranks(r, env=RSS_ENV)
     assert res.returncode == 0, res.stderr[-3000:]
     last = records(tmp_path / "out")[-1]
     measured = max(last["peak_mem_mb"]) - last["base_mem_mb"]
