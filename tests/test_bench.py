@@ -78,17 +78,34 @@ print(statistics.median(faults[-8:]))  # glibc settles after a few: its threshol
 """
 
 
-def test_data_bench_copies_batches_as_training_does():
-    """`bench data` workers run with training's malloc, not the memory benchmarks' (RSS_ENV): there a batch copied
-    out of the loader would page-fault all its 9.6 MB afresh (and unmap it across cores) every batch."""
+def test_timed_workers_copy_batches_as_training_does():
+    """Workers whose times are read run with training's malloc, not the memory benchmarks' (RSS_ENV): there a batch
+    copied out of a loader would page-fault all its 9.6 MB afresh (and unmap it across cores) every batch."""
     import subprocess
     import sys
 
-    def faults_per_copy(kind: str) -> float:
-        out = subprocess.run([sys.executable, "-c", COPY_FAULTS], env=worker.worker_env(kind), capture_output=True,
+    def faults_per_copy(memory: bool) -> float:
+        out = subprocess.run([sys.executable, "-c", COPY_FAULTS], env=worker.worker_env(memory), capture_output=True,
                              text=True, check=True)
         return float(out.stdout.split()[-1])
 
-    assert set(worker.MEASURES_MEMORY) == {"model", "train", "distill", "data"}
-    assert faults_per_copy("data") < 100
-    assert worker.worker_env("model").items() >= worker.RSS_ENV.items()  # where the copy faults, page by page
+    assert faults_per_copy(memory=False) < 100
+    assert worker.worker_env(memory=True).items() >= worker.RSS_ENV.items()  # where the copy faults, page by page
+
+
+def test_model_bench_reads_times_and_memory_from_their_own_runs(monkeypatch):
+    """On CPU each candidate runs twice: images/s from a run with training's malloc, peak RSS from one with
+    RSS_ENV; on CUDA (allocator statistics) once."""
+    calls = []
+
+    def fake_run(kind, spec, memory=False):
+        calls.append((spec["model"], spec["device"], memory))
+        return {"images_per_s": 1.0 if memory else 2.0, "peak_mb": 10.0 if memory else 99.0}
+
+    monkeypatch.setattr(model, "run_worker", fake_run)
+    out = model.bench_model(batch=1, steps=1, rounds=1, device="cpu", precision="fp32")
+    assert all(r["images_per_s"] == 2.0 and r["peak_mb"] == 10.0 for r in out["results"].values())
+    assert sorted(m for *_, m in calls) == [False] * len(model.CANDIDATES) + [True] * len(model.CANDIDATES)
+    calls.clear()
+    model.bench_model(batch=1, steps=1, rounds=1, device="cuda", precision="bf16")
+    assert [m for *_, m in calls] == [False] * len(model.CANDIDATES)

@@ -28,24 +28,22 @@ class Workload(NamedTuple):
 
 
 RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
-"""For the runs that measure memory: glibc's malloc then maps every block of 1 MiB or more on its own and unmaps it
-when freed, so a peak RSS is the workload's and not the heap's high-water mark. Only for those: every large block then
+"""For a worker whose peak RSS is read: glibc's malloc then maps every block of 1 MiB or more on its own and unmaps it
+when freed, so the peak is the workload's and not the heap's high-water mark. Only for those: every large block then
 page-faults afresh when used, which training does not pay (a batch of 64 uint8 crops copied out of a loader: 2,353
-faults, and the unmap interrupts the loader's threads on the other cores)."""
-
-MEASURES_MEMORY = {"model": True, "train": True, "distill": True, "data": False}
-"""Whether a worker KIND reports a peak RSS (then it runs with ``RSS_ENV``). ``data`` times loaders: it runs with the
-environment training has."""
+faults, and the unmap interrupts threads on the other cores), so times measured under it are not training's (PIL's
+JPEG decode ran at half speed, timm's ConViT step lost more than ours)."""
 
 
-def worker_env(kind: str) -> dict:
-    """The environment of a ``kind`` worker (every kind says whether it measures memory)."""
-    return {**os.environ, **(RSS_ENV if MEASURES_MEMORY[kind] else {})}
+def worker_env(memory: bool) -> dict:
+    """The environment of a worker: training's, or with ``RSS_ENV`` when its peak memory is what is read."""
+    return {**os.environ, **(RSS_ENV if memory else {})}
 
 
-def run_worker(kind: str, spec: dict) -> dict:
-    """One measurement in a fresh interpreter; its last stdout line is the JSON result."""
-    env = worker_env(kind)
+def run_worker(kind: str, spec: dict, memory: bool = False) -> dict:
+    """One measurement in a fresh interpreter; its last stdout line is the JSON result. ``memory``: the result's peak
+    memory is read (the worker runs with ``RSS_ENV``); otherwise its times are, and it runs with training's malloc."""
+    env = worker_env(memory)
     out = subprocess.run([sys.executable, "-m", "convit_scale.bench", kind, json.dumps(spec)], capture_output=True,
                          text=True, env=env)
     if out.returncode != 0:
