@@ -25,10 +25,12 @@ def test_one_gpu_table_for_planner_and_mfu():
 
 
 def test_timed_step_measures_a_training_step():
+    """In a fresh worker, as `bench model` runs it: in this long-lived process freed heap is reused, the step adds
+    nothing to the RSS and its peak is 0 give or take the kernel's approximate page counts (-0.03 MB was seen)."""
     spec = {"model": ["convit_nano", "fast"], "batch": 2, "img_size": 16, "steps": 2, "warmup": 1,
             "device": "cpu", "precision": "fp32"}
-    r = worker.timed_step(spec, model.build)
-    assert r["images_per_s"] > 0 and r["peak_mb"] >= 0
+    r = worker.run_worker("model", spec, memory=True)
+    assert r["images_per_s"] > 0 and r["peak_mb"] > 1  # what build loads and makes: about 25 MB
 
 
 def test_distill_bench_steps_with_the_training_loss():
