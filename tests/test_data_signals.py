@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from convit_scale.config import DataConfig
 from convit_scale.data import LoaderSpec, build_loader
-from convit_scale.data.workers import iterate, worker_init_fn
+from convit_scale.data.workers import iterate, loader_options, worker_init_fn
 
 _AT_BIRTH: list[int] = []  # signals a forked child sends itself on its first line, while the list is armed
 
@@ -103,3 +103,28 @@ def test_an_unfinished_epoch_does_not_hang_the_exit(fm_tree):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "one batch" in out.stdout, out.stderr
+
+
+def test_workers_are_forked_by_the_training_process_whatever_the_default_start_method(fm_tree):
+    """Under forkserver (Python 3.14's default on Linux; here set, and its server started before any loader) the
+    package's workers are still the training process's own children, born with the stop signals blocked; a loader
+    whose workers a forkserver would make is refused."""
+    script = textwrap.dedent(f"""
+        import multiprocessing, multiprocessing.forkserver, os, psutil
+        multiprocessing.set_start_method("forkserver")
+        multiprocessing.forkserver.ensure_running()
+        from convit_scale.config import DataConfig
+        from convit_scale.data import LoaderSpec, build_loader
+        d = DataConfig(format="imagefolder", train_path={str(fm_tree)!r}, val_path={str(fm_tree)!r}, num_workers=2)
+        batches = build_loader(d, LoaderSpec("val", 32, 25)).epoch(0)
+        next(batches)
+        me = psutil.Process()
+        print("own workers", sum(p.ppid() == me.pid and p.cmdline() == me.cmdline() for p in me.children(True)))
+        batches.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "own workers 2" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert loader_options(0, 0, 0)["multiprocessing_context"] is None  # torch refuses one without workers
+    forkserver = DataLoader(_WorkerState(), batch_size=None, num_workers=1, multiprocessing_context="forkserver")
+    with pytest.raises(ValueError, match="forkserver"):
+        next(iterate(forkserver))

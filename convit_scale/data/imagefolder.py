@@ -14,7 +14,7 @@ from .faults import DECODE_ERRORS, limit_bad_samples, reason_of
 from .geometry import DataError, EpochGeometry, LoaderSpec
 from .plan import sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_host
-from .workers import iterate, private_generator, worker_init_fn
+from .workers import iterate, loader_options
 
 
 class _SeededImages(Dataset):
@@ -90,10 +90,9 @@ class MapStyleLoader:
         # the world size, so runs on 1 and on N ranks see identical batches.
         positions = self.geometry.global_positions(start_batch * b, len(idx))
         items = [(int(i), sample_seed(s.seed, epoch, 0, int(p))) for i, p in zip(idx, positions)]
-        loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train,
-                            num_workers=self.d.num_workers, persistent_workers=False,
-                            generator=private_generator(s.seed, epoch), worker_init_fn=worker_init_fn(),
-                            collate_fn=_collate, pin_memory=s.pin_memory)
+        loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train, persistent_workers=False,
+                            collate_fn=_collate, pin_memory=s.pin_memory,
+                            **loader_options(self.d.num_workers, s.seed, epoch))
         batches = limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, s.rank)
         if not (s.train and s.augment_on_device):
             yield from batches

@@ -28,7 +28,7 @@ from .faults import DECODE_ERRORS, decode_rgb, limit_bad_samples, next_good, rea
 from .geometry import DataError, EpochGeometry, LoaderSpec, eval_positions
 from .plan import contiguous_range, epoch_permutation, sample_seed
 from .transforms import build_eval_transform, build_train_transform, seed_host
-from .workers import iterate, private_generator, worker_init_fn
+from .workers import iterate, loader_options
 
 
 def _open(location: str, name: str):
@@ -332,7 +332,6 @@ class WdsLoader:
 
     def epoch(self, epoch: int, start_batch: int = 0):
         workers = min(self.d.num_workers, len(self))
-        loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, num_workers=workers,
-                            generator=private_generator(self.spec.seed, epoch), worker_init_fn=worker_init_fn(),
-                            pin_memory=self.spec.pin_memory)
+        loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, pin_memory=self.spec.pin_memory,
+                            **loader_options(workers, self.spec.seed, epoch))
         yield from limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, self.spec.rank)

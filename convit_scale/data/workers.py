@@ -11,11 +11,19 @@ main process and are ignored outright.
 The signals must not be able to arrive between the fork and the worker's first line: ``iterate`` starts
 the workers with the stop signals blocked in the forking thread, so they are born blocked (a fork and an
 exec keep the mask), and a signal that came meanwhile waits, pending, for the worker to decide.
+
+That holds only where the training process itself forks or spawns its workers. With ``forkserver`` (the
+default start method from Python 3.14 on Linux, or a library's ``set_start_method``) a server process forks
+them with the mask it was started with, maybe long before, and the server is itself in the job step: Slurm's
+SIGTERM ends it, and the next epoch's workers cannot start. So the package's DataLoaders name their start
+method (``START_METHOD`` in ``loader_options``: fork, what torch's DataLoader has used on Linux until Python
+3.14; spawn where there is no fork), and ``iterate`` refuses a loader whose workers a forkserver would make.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import signal
 import threading
@@ -24,6 +32,8 @@ import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _IGNORED = (signal.SIGUSR1, signal.SIGINT)
+START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+"""The ``multiprocessing_context`` of every DataLoader of the package (the module says why)."""
 
 
 def private_generator(seed: int, epoch: int) -> torch.Generator:
@@ -32,11 +42,23 @@ def private_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1000003 + epoch)
 
 
+def loader_options(num_workers: int, seed: int, epoch: int) -> dict:
+    """What every DataLoader of the package passes: ``num_workers``, the private generator for the workers'
+    seeds, their signal set-up, and their start method (none without workers: torch refuses one there)."""
+    return {"num_workers": num_workers, "generator": private_generator(seed, epoch),
+            "worker_init_fn": worker_init_fn(), "multiprocessing_context": START_METHOD if num_workers else None}
+
+
 def iterate(loader):
     """The batches of a torch DataLoader whose workers are started with the stop signals blocked."""
     if loader.num_workers == 0:
         yield from loader
         return
+    ctx = loader.multiprocessing_context or torch.multiprocessing.get_context()
+    if ctx.get_start_method() == "forkserver":
+        raise ValueError("DataLoader workers started by a forkserver are not born with the stop signals blocked, "
+                         f"and Slurm's SIGTERM ends the server; give the DataLoader multiprocessing_context="
+                         f"{START_METHOD!r} (convit_scale.data.workers.START_METHOD)")
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         it = iter(loader)
