@@ -179,9 +179,11 @@ def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, t
     assert logged == expected
 
 
-def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv, tmp_path):
-    """ffcv's decoders ignore turbojpeg's status (a corrupt JPEG becomes stale pixels); ours replace the view by the
-    next one of the batch that decodes, with that view's label, and list it. Everything else is unchanged."""
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv, tmp_path, split):
+    """ffcv's decoders ignore turbojpeg's status (a corrupt JPEG becomes stale pixels); ours, training's and
+    evaluation's, replace the view by the next one of the batch that decodes, with that view's label, and list it.
+    Everything else is unchanged."""
     import dataclasses
 
     from ffcv.reader import Reader
@@ -190,15 +192,15 @@ def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv
 
     path = tmp_path / "ffcv"
     shutil.copytree(fm_ffcv, path)
-    beton = next(path.glob("train*.beton"))
+    beton = next(path.glob(f"{split}*.beton"))
     reader = Reader(str(beton))
     ptr = int(reader.metadata[f"f{reader.field_names.index('image')}"]["data_ptr"][5])
     with open(beton, "r+b") as f:  # file 5: its JPEG's start-of-image marker overwritten
         f.seek(ptr)
         f.write(b"\0\0\0\0")
     d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=1, repeated_aug=1)
-    broken = build_loader(d, LoaderSpec("train", 32, 50))
-    clean = build_loader(DataConfig(**{**d.__dict__, "train_path": str(fm_ffcv)}), LoaderSpec("train", 32, 50))
+    broken = build_loader(d, LoaderSpec(split, 32, 50))
+    clean = build_loader(DataConfig(**{**d.__dict__, f"{split}_path": str(fm_ffcv)}), LoaderSpec(split, 32, 50))
     got, want = _epoch(broken), _epoch(clean)
     p = int(np.flatnonzero((broken.views(0) & FILE_INDEX) == 5)[0])
     k, i = divmod(p, 50)
@@ -211,6 +213,8 @@ def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv
         assert torch.equal(x0[same], x1[same]) and torch.equal(y0[same], y1[same]), n
     x, y, _ = got[k]
     assert y[i] == y[(i + 1) % 50] and not torch.equal(x[i], want[k][0][i])  # the next view's label and image
+    if split == "val":  # no augmentation: the next view's very pixels
+        assert torch.equal(x[i], want[k][0][(i + 1) % 50])
     again = _epoch(broken, 0, k)  # the same replacement after a resume
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got[k:], again))
     broken.d = dataclasses.replace(d, max_bad_samples=0)

@@ -188,7 +188,11 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
 class CenterCropScratchDecoder(CenterCropRGBImageDecoder):
     """ffcv's eval decoder (centre crop of ``ratio``, resized) with the JPEGs decoded one after the other into the
     slot's first scratch row, as ``SeededCropFlipDecoder`` does, instead of a row per image: the slot count grows
-    with the workers (``_EpochIterator``), and at an eval batch of 128 a row per image is 56 MB per slot."""
+    with the workers (``_EpochIterator``), and at an eval batch of 128 a row per image is 56 MB per slot.
+
+    A JPEG that fails to decode is handled as in training (and as the ImageFolder and WebDataset eval loaders
+    handle an unreadable file): the view takes the next view of the batch that decodes, is marked ``REPLACED``,
+    and FfcvLoader fixes its label, lists it and counts it against ``data.max_bad_samples``."""
 
     def generate_code(self):
         jpg, mem_read, ratio = IMAGE_MODES["jpg"], self.memory_read, self.ratio
@@ -197,16 +201,25 @@ class CenterCropScratchDecoder(CenterCropRGBImageDecoder):
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, temp_storage = my_storage
-            scratch = temp_storage[0]  # a batch is one thread's (_EpochIterator)
-            for dst_ix in range(len(batch_indices)):
-                field = metadata[batch_indices[dst_ix]]
-                image_data = mem_read(field["data_ptr"], storage_state)
-                height, width = np.uint32(field["height"]), np.uint32(field["width"])
-                if field["mode"] == jpg:
-                    imdecode_c(image_data, scratch, height, width, height, width, 0, 0, 1, 1, False, False)
-                    temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
-                else:
-                    temp_buffer = image_data.reshape(height, width, 3)
+            n, scratch = len(batch_indices), temp_storage[0]  # a batch is one thread's (_EpochIterator)
+            for dst_ix in range(n):
+                own = metadata[batch_indices[dst_ix] & FILE_INDEX]
+                height, width = np.uint32(own["height"]), np.uint32(own["width"])
+                temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
+                for attempt in range(n):  # the view itself, else the next one of the batch that decodes
+                    field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
+                    image_data = mem_read(field["data_ptr"], storage_state)
+                    src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
+                    if field["mode"] != jpg:
+                        height, width, temp_buffer = src_h, src_w, image_data.reshape(src_h, src_w, 3)
+                        break
+                    if imdecode_c(image_data, scratch, src_h, src_w, src_h, src_w, 0, 0, 1, 1,
+                                  False, False) == 0:
+                        height, width = src_h, src_w
+                        temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
+                        break
+                    if attempt == 0:
+                        batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
                 i, j, h, w = center_crop(height, width, None, ratio)
                 resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
             return destination[:len(batch_indices)]
