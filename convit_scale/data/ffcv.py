@@ -129,15 +129,42 @@ def _flip_in_place(img):  # (H, W, 3) uint8
                 img[r, width - 1 - c, ch] = t
 
 
+def _decode_or_next(mem_read):
+    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch) -> (height, width, pixels)``: the image
+    of view ``dst_ix`` of a batch, decoded into ``scratch`` (a raw image: its stored pixels), else, if turbojpeg
+    refuses its JPEG, the next view of the batch (cyclically) that decodes, with ``REPLACED`` set on the view's id
+    in place (ffcv passes the traversal order's own memory), where FfcvLoader finds it to fix the label and list
+    it. ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG silently becomes whatever the buffer held.
+    If no view of the batch decodes, the view's own size over ``scratch``: FfcvLoader raises for that batch."""
+    jpg, imdecode_c = IMAGE_MODES["jpg"], Compiler.compile(imdecode)
+
+    def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch):
+        n = len(batch_indices)
+        own = metadata[batch_indices[dst_ix] & FILE_INDEX]
+        height, width = np.uint32(own["height"]), np.uint32(own["width"])
+        temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
+        for attempt in range(n):  # the view itself, else the next one of the batch that decodes
+            field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
+            image_data = mem_read(field["data_ptr"], storage_state)
+            src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
+            if field["mode"] != jpg:
+                return src_h, src_w, image_data.reshape(src_h, src_w, 3)
+            if imdecode_c(image_data, scratch, src_h, src_w, src_h, src_w, 0, 0, 1, 1, False, False) == 0:
+                return src_h, src_w, scratch.reshape(-1)[:3 * src_h * src_w].reshape(src_h, src_w, 3)
+            if attempt == 0:
+                batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
+        return height, width, temp_buffer
+
+    return Compiler.compile(decode_or_next)
+
+
 class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
     """Decode, RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and horizontal flip in one compiled stage,
     with the parameters drawn from the view's seed (the high bits of the id) rather than numba's
     unseeded generator.
 
-    ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG silently becomes whatever the buffer held
-    (a previous batch's pixels). Here a view whose JPEG fails to decode takes the next view of the batch
-    (cyclically) that decodes, cropped and flipped with its own seed, and its id is marked ``REPLACED`` in place
-    (ffcv passes the traversal order's own memory), where FfcvLoader finds it to fix the label and list it.
+    A view whose JPEG fails to decode takes the next view of the batch that decodes (``_decode_or_next``), cropped
+    and flipped with its own seed.
 
     A batch is one thread's (``_EpochIterator``), and its JPEGs are decoded one after the other into the slot's
     first scratch row, not each into a row of its own: ffcv gives every image of every slot one (slots x batch x
@@ -150,8 +177,7 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
         self.flip_prob = flip_prob
 
     def generate_code(self):
-        jpg, mem_read = IMAGE_MODES["jpg"], self.memory_read
-        imdecode_c, resize_crop_c = Compiler.compile(imdecode), Compiler.compile(resize_crop)
+        decode_or_next, resize_crop_c = _decode_or_next(self.memory_read), Compiler.compile(resize_crop)
         scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
 
         def decode(batch_indices, my_storage, metadata, storage_state):
@@ -159,23 +185,7 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
             n, scratch = len(batch_indices), temp_storage[0]  # a batch is one thread's (_EpochIterator)
             for dst_ix in range(n):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
-                own = metadata[batch_indices[dst_ix] & FILE_INDEX]
-                height, width = np.uint32(own["height"]), np.uint32(own["width"])
-                temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
-                for attempt in range(n):  # the view itself, else the next one of the batch that decodes
-                    field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
-                    image_data = mem_read(field["data_ptr"], storage_state)
-                    src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
-                    if field["mode"] != jpg:
-                        height, width, temp_buffer = src_h, src_w, image_data.reshape(src_h, src_w, 3)
-                        break
-                    if imdecode_c(image_data, scratch, src_h, src_w, src_h, src_w, 0, 0, 1, 1,
-                                  False, False) == 0:
-                        height, width = src_h, src_w
-                        temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
-                        break
-                    if attempt == 0:
-                        batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
+                height, width, temp_buffer = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
                 i, j, h, w = _seeded_crop(height, width, scale, log_ratio, view_seed)
                 resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
                 if _uniform(view_seed, 40) < flip_prob:
@@ -190,36 +200,19 @@ class CenterCropScratchDecoder(CenterCropRGBImageDecoder):
     slot's first scratch row, as ``SeededCropFlipDecoder`` does, instead of a row per image: the slot count grows
     with the workers (``_EpochIterator``), and at an eval batch of 128 a row per image is 56 MB per slot.
 
-    A JPEG that fails to decode is handled as in training (and as the ImageFolder and WebDataset eval loaders
-    handle an unreadable file): the view takes the next view of the batch that decodes, is marked ``REPLACED``,
-    and FfcvLoader fixes its label, lists it and counts it against ``data.max_bad_samples``."""
+    A JPEG that fails to decode is handled as in training (``_decode_or_next``), and as the ImageFolder and
+    WebDataset eval loaders handle an unreadable file: FfcvLoader fixes the label, lists the view and counts it
+    against ``data.max_bad_samples``."""
 
     def generate_code(self):
-        jpg, mem_read, ratio = IMAGE_MODES["jpg"], self.memory_read, self.ratio
-        imdecode_c, resize_crop_c = Compiler.compile(imdecode), Compiler.compile(resize_crop)
-        center_crop = Compiler.compile(self.get_crop_generator)
+        decode_or_next, resize_crop_c = _decode_or_next(self.memory_read), Compiler.compile(resize_crop)
+        ratio, center_crop = self.ratio, Compiler.compile(self.get_crop_generator)
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, temp_storage = my_storage
             n, scratch = len(batch_indices), temp_storage[0]  # a batch is one thread's (_EpochIterator)
             for dst_ix in range(n):
-                own = metadata[batch_indices[dst_ix] & FILE_INDEX]
-                height, width = np.uint32(own["height"]), np.uint32(own["width"])
-                temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
-                for attempt in range(n):  # the view itself, else the next one of the batch that decodes
-                    field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
-                    image_data = mem_read(field["data_ptr"], storage_state)
-                    src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
-                    if field["mode"] != jpg:
-                        height, width, temp_buffer = src_h, src_w, image_data.reshape(src_h, src_w, 3)
-                        break
-                    if imdecode_c(image_data, scratch, src_h, src_w, src_h, src_w, 0, 0, 1, 1,
-                                  False, False) == 0:
-                        height, width = src_h, src_w
-                        temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
-                        break
-                    if attempt == 0:
-                        batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
+                height, width, temp_buffer = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
                 i, j, h, w = center_crop(height, width, None, ratio)
                 resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
             return destination[:len(batch_indices)]
