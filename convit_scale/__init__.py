@@ -1,8 +1,8 @@
 """convit-scale: train and analyse ConViT and DeiT on ImageNet at cluster scale."""
 
-from .data.ffcv_threads import configure as _configure_native_threads
+from .ffcv_threads import configure as _configure_native_threads
 
-_configure_native_threads()  # before anything imports ffcv (data/ffcv_threads.py)
+_configure_native_threads()  # before anything imports ffcv (ffcv_threads.py)
 
 from .models import create_model, list_models  # noqa: E402
 

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from .augment_policy import unsupported_on_device
+
 
 class ConfigError(ValueError):
     """A recipe key or value that is not allowed."""
@@ -553,8 +555,6 @@ def validate(cfg: Config, source: str = "<config>") -> None:
     if d.rand_augment is not None and not d.rand_augment.startswith("rand"):
         fail("data.rand_augment", d.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
     if d.augment_on == "device":
-        from .data.device_augment import unsupported_on_device
-
         reason = unsupported_on_device(d)
         if reason is not None:
             fail("data.augment_on", "device", reason)

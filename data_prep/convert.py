@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .scan import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
+from convit_scale.imagetree import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
 
 MANIFEST = "manifest.json"
 
@@ -192,7 +192,7 @@ class _RGBDataset:
 
 
 def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
-    from convit_scale.data.ffcv_threads import importing_ffcv
+    from convit_scale.ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         from ffcv.fields import IntField, RGBImageField
@@ -368,7 +368,7 @@ def verify(out: str | Path) -> list[str]:
 
 def _read_labels(path: Path, fmt: str) -> list[int]:
     if fmt == "ffcv":
-        from convit_scale.data.ffcv_threads import importing_ffcv
+        from convit_scale.ffcv_threads import importing_ffcv
 
         with importing_ffcv():
             from ffcv.reader import Reader

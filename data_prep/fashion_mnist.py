@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .scan import PrepError
+from convit_scale.imagetree import PrepError
 
 DEFAULT_SOURCE = Path("/usr/share/datasets/fashion-mnist")
 CLASSES = ["t_shirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle_boot"]

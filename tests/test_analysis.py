@@ -6,7 +6,7 @@ import torch
 
 from convit_scale import create_model
 from convit_scale.analysis.cka import MinibatchCKA, hsic_unbiased, linear_cka
-from convit_scale.analysis.metrics import attention_maps, gating, head_distances, nonlocality, nonlocality_of
+from convit_scale.analysis.attention import attention_maps, gating, head_distances, nonlocality, nonlocality_of
 from convit_scale.analysis.report import analyze, masked
 from convit_scale.models.convit import GPSA, relative_positions
 

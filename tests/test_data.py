@@ -15,9 +15,9 @@ from PIL import Image
 from conftest import PY, REPO, run_cli
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
-from convit_scale.data.plan import rank_indices
+from convit_scale.data.order import rank_indices
 from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
-from data_prep.scan import subsample
+from convit_scale.imagetree import subsample
 
 
 def _jpeg(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:
@@ -149,7 +149,7 @@ def test_verify_catches_a_corrupted_shard_and_loader_refuses_a_truncated_one(fm_
 
 
 def test_table2_subset_keeps_first_files_per_class():
-    from data_prep.scan import Sample
+    from convit_scale.imagetree import Sample
 
     samples = [Sample(f"c{c}/{i:03d}.JPEG", c) for c in range(3) for i in (5, 1, 9, 3, 7, 2, 8)]
     kept = subsample(samples, 0.3)  # floor(7 * 0.3) = 2 per class, the first in sorted order

@@ -11,7 +11,7 @@ from conftest import losses, run_cli, tiny_recipe
 from convit_scale.config import ConfigError, DataConfig, load_config
 from convit_scale.data import LoaderSpec, build_loader
 from convit_scale.data.device_augment import augment_on_device, normalize
-from convit_scale.data.plan import sample_seed, view_seeds
+from convit_scale.data.order import view_seeds
 
 CROP_ONLY = {"repeated_aug": 1, "rand_augment": None, "color_jitter": 0.0, "reprob": 0.0}
 
@@ -30,8 +30,7 @@ def test_device_mode_batches_are_uint8_crops_with_the_cpu_paths_seeds(fmt, fm_tr
         assert b.images.dtype == torch.uint8 and b.images.shape == (16, 3, 32, 32)
         assert b.seeds.dtype == torch.int64 and b.seeds.shape == (16,)
     # the seeds the CPU path draws its augmentation from (one rank: global position = position in the epoch)
-    want = (view_seeds(3, 1, np.arange(16)).astype(np.int64).tolist() if fmt == "ffcv"
-            else [sample_seed(3, 1, 0, i) for i in range(16)])
+    want = view_seeds(3, 1, np.arange(16)).astype(np.int64).tolist()  # one seed function for every format
     assert first[0].seeds.tolist() == want
     again = list(itertools.islice(loader.epoch(1), 3))
     assert all(_same(a, b) for a, b in zip(first, again))  # the same seed: the same batches

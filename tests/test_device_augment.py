@@ -10,9 +10,10 @@ from PIL import Image
 from timm.data.auto_augment import LEVEL_TO_ARG, NAME_TO_OP, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 
+from convit_scale.augment_policy import GEOMETRIC_OPS, RAND_INCREASING_OPS, RAND_OPS, RandAugmentPolicy
 from convit_scale.data.device_augment import (
-    GEOMETRIC_OPS, RAND_INCREASING_OPS, RAND_OPS, DeviceAugmentConfig, RandAugmentPolicy, apply_op, augment_batch,
-    device_augment_throughput, normalize, sample_plan, uniforms,
+    DeviceAugmentConfig, apply_op, augment_batch,
+    normalize, sample_plan, uniforms,
 )
 
 DEIT_HPARAMS = dict(translate_const=int(224 * 0.45), img_mean=(124, 116, 104), interpolation=Image.BICUBIC)
@@ -233,4 +234,6 @@ def test_random_erasing_rate_and_boxes_match_timm():
 
 
 def test_throughput_runs():
-    assert device_augment_throughput("cpu", batch=4, img_size=32, steps=1, warmup=1) > 0
+    from convit_scale.bench.data import device_augment_rate
+
+    assert device_augment_rate("cpu", batch=4, img_size=32, steps=1, warmup=1) > 0

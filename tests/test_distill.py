@@ -58,7 +58,7 @@ def _predictions(model, batches):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
 def test_distillation_end_to_end(strategy, fm_wds, teacher_file, tmp_path):
-    from convit_scale.train.export import load_trained_model
+    from convit_scale.trained import load_trained_model
 
     sha = hashlib.sha256(teacher_file.read_bytes()).hexdigest()
     runs = {}
@@ -94,7 +94,7 @@ def _distilled_agrees_with_the_teacher_and_the_token_variant_trains(fm_wds, teac
     from safetensors.torch import load_file
 
     from convit_scale.analysis.report import eval_batches
-    from convit_scale.train.export import load_trained_model
+    from convit_scale.trained import load_trained_model
 
     # the distilled student agrees with the teacher more than the undistilled one trained the same way
     batches = eval_batches(str(fm_wds), "wds", 16, 200)
@@ -171,7 +171,7 @@ def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, tmp_
 
     import timm
     from convit_scale.analysis.report import eval_batches
-    from convit_scale.train.export import load_trained_model
+    from convit_scale.trained import load_trained_model
 
     students = {}
     for name, kw in (("plain", {"distill": False}), ("soft", {})):

@@ -284,7 +284,7 @@ def test_tensorboard_events_match_metrics(fm_tree, tmp_path):
 @pytest.mark.slow
 def test_export_loads_into_plain_model(fm_tree, tmp_path):
     from convit_scale.models import load_pretrained
-    from convit_scale.train.export import consolidate
+    from convit_scale.trained import consolidate
 
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "zero3"},
                     schedule={"max_steps": 2})

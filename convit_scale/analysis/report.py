@@ -15,8 +15,8 @@ import torch
 from ..models.convit import GPSA, ConViT
 from .cka import MinibatchCKA
 from ..metrics import read_records
-from ..train.evaluate import summarize, topk_counts
-from .metrics import attention_maps, gating, head_distances
+from ..evaluation import Batches, evaluate
+from .attention import attention_maps, gating, head_distances
 
 ANALYSIS_IMAGES = 1024
 """Validation images `analyze` measures by default (the paper's nonlocality uses 1,024)."""
@@ -25,7 +25,7 @@ ANALYSIS_IMAGES = 1024
 def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32, **view) -> list:
     """The first ``images`` validation images (eval transform, fewer if the split is smaller) as batches of
     ``batch_size``, kept in host memory for every analysis (1,024 images at 224 are 0.6 GB). ``view``: the run's
-    ``eval_crop_ratio`` and ``interpolation`` (``train.export.eval_view``), so that the analysis sees the images as
+    ``eval_crop_ratio`` and ``interpolation`` (``trained.eval_view``), so that the analysis sees the images as
     the run's evaluation did; DeiT's (0.875, bicubic) otherwise."""
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
@@ -40,13 +40,6 @@ def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: in
         batches.append((x[:n], y[:n]))
         seen += n
     return batches
-
-
-def analysis_device(name: str = "auto") -> torch.device:
-    """auto: the GPU when there is one."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @contextlib.contextmanager
@@ -77,11 +70,7 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 def accuracy(model: ConViT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Top-1 in percent over ``batches`` (the counter training's evaluation uses), on the model's device."""
     model.eval()
-    device = _device_of(model)
-    counts = torch.zeros(4, dtype=torch.float64, device=device)
-    for x, y in batches:
-        counts += topk_counts(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
-    return summarize(counts.cpu())["top1"]
+    return evaluate(model, Batches(batches), _device_of(model))["top1"]
 
 
 def masking_table(model: ConViT, batches) -> dict:

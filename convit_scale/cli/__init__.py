@@ -46,7 +46,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
     from ..config import ConfigError
     from ..data import DataError
-    from ..models.checkpoints import CheckpointMismatch
+    from ..models.weights import CheckpointMismatch
 
     return (UsageError, ConfigError, DataError, PrepError, CheckpointMismatch, FileNotFoundError, ValueError)
 

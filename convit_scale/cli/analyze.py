@@ -10,10 +10,11 @@ from .argtypes import device, positive_int
 
 
 def _cmd_analyze(args) -> int:
-    from ..analysis.report import analysis_device, analyze, eval_batches
-    from ..train.export import eval_view, load_trained_model
+    from ..analysis.report import analyze, eval_batches
+    from ..evaluation import resolve_device
+    from ..trained import eval_view, load_trained_model
 
-    on = analysis_device(args.device)
+    on = resolve_device(args.device)
     model = load_trained_model(args.checkpoint, args.model).to(on)
     compare = load_trained_model(args.compare, args.compare_model).to(on) if args.compare else None
     batches = eval_batches(args.data, args.format, model.patch_embed.img_size[0], args.images,

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from .argtypes import non_negative_int, positive_int
+from .argtypes import device, non_negative_int, positive_int
 
 
 def _cmd_eval(args) -> int:
-    import torch
-
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
+    from ..evaluation import evaluate, resolve_device
     from ..models import MODELS
-    from ..models.checkpoints import load_timm_model
-    from ..train.evaluate import summarize, topk_counts
+    from ..models.weights import load_timm_model
 
+    on = resolve_device(args.device)
     if args.model is None or args.model in MODELS:
-        from ..train.export import load_trained_model
+        from ..trained import load_trained_model
 
         model = load_trained_model(args.checkpoint, args.model, args.num_classes)
         name = args.model or "model"
@@ -25,17 +24,10 @@ def _cmd_eval(args) -> int:
         model = load_timm_model(name, args.checkpoint, num_classes=args.num_classes or 1000, name_key="--model")
         img_size = args.img_size or 224
     d = DataConfig(format=args.format, train_path=args.data, val_path=args.data, num_workers=args.workers)
-    loader = build_loader(d, LoaderSpec("val", args.img_size or img_size, args.batch_size))
-    model.eval()
-    counts = torch.zeros(4, dtype=torch.float64)
-    seen = 0
-    with torch.no_grad():
-        for x, y in loader.epoch(0):
-            real = (torch.arange(len(y)) + seen) < loader.num_real  # the last batch may be padded
-            seen += len(y)
-            counts += topk_counts(model(x), y, real).cpu()
-    r = summarize(counts)
-    print(f"{name}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['samples']} images)")
+    loader = build_loader(d, LoaderSpec("val", args.img_size or img_size, args.batch_size,
+                                        pin_memory=on.type == "cuda"))
+    r = evaluate(model.to(on).eval(), loader, on)
+    print(f"{name}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['samples']} images on {on})")
     return 0
 
 
@@ -49,4 +41,6 @@ def register(sub) -> None:
     p.add_argument("--img-size", type=positive_int)
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--workers", type=non_negative_int, default=2)
+    p.add_argument("--device", type=device, default="auto",
+                   help="auto (the GPU when there is one), cpu, cuda or cuda:N (default: %(default)s)")
     p.set_defaults(func=_cmd_eval)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def _cmd_export(args) -> int:
-    from ..train.export import export
+    from ..trained import export
 
     out = export(Path(args.checkpoint), Path(args.out))
     print(f"wrote {out}")

@@ -9,8 +9,9 @@ epoch continues bit-identically.
 """
 
 from ..config import DataConfig
-from .geometry import DataError, LoaderSpec
-from .imagefolder import MapStyleLoader
+from .faults import DataError
+from .geometry import LoaderSpec
+from .imagefolder import ImageFolderLoader
 from .wds import WdsLoader, read_manifest
 
 __all__ = ["DataError", "LoaderSpec", "build_loader", "read_manifest"]
@@ -19,7 +20,7 @@ __all__ = ["DataError", "LoaderSpec", "build_loader", "read_manifest"]
 def build_loader(d: DataConfig, spec: LoaderSpec):
     """The loader of ``data.format`` for one split on one rank."""
     if d.format == "imagefolder":
-        return MapStyleLoader(d, spec)
+        return ImageFolderLoader(d, spec)
     if d.format == "wds":
         return WdsLoader(d, spec)
     from .ffcv import FfcvLoader  # ffcv (and numba) only when asked for

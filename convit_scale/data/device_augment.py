@@ -27,91 +27,13 @@ hashed on the images' device.
 from __future__ import annotations
 
 import math
-import re
-import time
 from dataclasses import dataclass, field
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-# ---------------------------------------------------------------------------------------------------------
-# The policy, parsed from timm's string
-# ---------------------------------------------------------------------------------------------------------
-
-RAND_INCREASING_OPS = (
-    "AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing", "SolarizeIncreasing", "SolarizeAdd",
-    "ColorIncreasing", "ContrastIncreasing", "BrightnessIncreasing", "SharpnessIncreasing",
-    "ShearX", "ShearY", "TranslateXRel", "TranslateYRel",
-)
-"""timm's ``_RAND_INCREASING_TRANSFORMS`` (``inc1``), in timm's order."""
-
-RAND_OPS = (
-    "AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd",
-    "Color", "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel",
-)
-"""timm's ``_RAND_TRANSFORMS`` (``inc0``, the default)."""
-
-_ALL_OPS = tuple(sorted(set(RAND_OPS) | set(RAND_INCREASING_OPS)))
-GEOMETRIC_OPS = frozenset({"Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel"})
-
-_LEVEL_DENOM = 10.0  # timm: magnitude M maps to the fractional level M / 10
-_SUPPORTED = ("'rand' followed by sections m<int>, n<int>, p<float>, mstd<float>, mmax<int>, inc<0|1> "
-              "(e.g. 'rand-m9-mstd0.5-inc1'); transform-set ('t...') and weighted variants are not supported")
-
-
-@dataclass(frozen=True)
-class RandAugmentPolicy:
-    """timm's RandAugment as configured by a ``rand-...`` string (timm's defaults where a section is absent)."""
-
-    magnitude: float = 10.0
-    """'m': mean magnitude on timm's 0..10 scale."""
-    num_layers: int = 2
-    """'n': ops drawn (with replacement, uniformly) per image."""
-    prob: float = 0.5
-    """'p': probability that each drawn op is applied."""
-    magnitude_std: float = 0.0
-    """'mstd': std of the gaussian magnitude noise; inf (mstd > 100) draws uniformly in [0, magnitude]."""
-    magnitude_max: float = _LEVEL_DENOM
-    """'mmax': the magnitude is clipped to [0, magnitude_max] (timm: 10 unless set to a non-zero value)."""
-    increasing: bool = False
-    """'inc': use the variants whose severity increases with magnitude."""
-
-    @property
-    def ops(self) -> tuple[str, ...]:
-        return RAND_INCREASING_OPS if self.increasing else RAND_OPS
-
-    @classmethod
-    def parse(cls, policy: str) -> RandAugmentPolicy:
-        """Parse timm's RandAugment string; anything timm would read differently is refused."""
-        sections = policy.split("-") if isinstance(policy, str) else []
-        if not sections or sections[0] != "rand":
-            raise ValueError(f"RandAugment policy {policy!r} is not supported; supported: {_SUPPORTED}")
-        values: dict = {}
-        for section in sections[1:]:
-            match = re.fullmatch(r"(mstd|mmax|inc|m|n|p)(\d.*)", section)
-            if match is None:
-                raise ValueError(f"RandAugment policy {policy!r}: section {section!r} is not supported; "
-                                 f"supported: {_SUPPORTED}")
-            key, raw = match.groups()
-            try:
-                if key == "mstd":
-                    std = float(raw)
-                    values["magnitude_std"] = math.inf if std > 100 else std  # timm: uniform sampling
-                elif key == "mmax":
-                    values["magnitude_max"] = float(int(raw)) or _LEVEL_DENOM  # timm: `magnitude_max or 10`
-                elif key == "inc":
-                    values["increasing"] = bool(int(raw))
-                elif key == "m":
-                    values["magnitude"] = float(int(raw))
-                elif key == "n":
-                    values["num_layers"] = int(raw)
-                else:
-                    values["prob"] = float(raw)
-            except ValueError:
-                raise ValueError(f"RandAugment policy {policy!r}: section {section!r} has a bad number; "
-                                 f"supported: {_SUPPORTED}") from None
-        return cls(**values)
-
+from ..augment_policy import ALL_OPS, GEOMETRIC_OPS, LEVEL_DENOM, RandAugmentPolicy, unsupported_on_device
+from .splitmix import draw, keys_of, srl
 
 @dataclass(frozen=True)
 class DeviceAugmentConfig:
@@ -148,24 +70,6 @@ class DeviceAugmentConfig:
         return tuple(min(255, round(255 * m)) for m in self.mean)
 
 
-def unsupported_on_device(d) -> str | None:
-    """Why ``augment_batch`` cannot run the train augmentation of the data section ``d`` (a DataConfig), or None.
-
-    The CPU keeps the crop and the flip either way; RandAugment runs its geometric ops bicubic, as DeiT's."""
-    if d.rand_augment is not None:
-        try:
-            RandAugmentPolicy.parse(d.rand_augment)
-        except ValueError as e:
-            return f"data.rand_augment = {d.rand_augment!r} does not run on the device ({e}); use data.augment_on=cpu"
-        if d.interpolation != "bicubic":
-            return (f"RandAugment's geometric ops run bicubic on the device, the recipe asks data.interpolation = "
-                    f"{d.interpolation!r}; use bicubic or data.augment_on=cpu")
-    elif d.color_jitter > 0:
-        return (f"colour jitter (data.color_jitter = {d.color_jitter}, applied when data.rand_augment is null) does "
-                f"not run on the device; set data.color_jitter=0 or data.augment_on=cpu")
-    return None
-
-
 def augment_on_device(d, device: torch.device) -> bool:
     """``data.augment_on`` resolved for a run on ``device``: auto = on CUDA, when the device supports the recipe."""
     if d.augment_on == "auto":
@@ -179,47 +83,16 @@ def config_of(d) -> DeviceAugmentConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Counter-based randomness: splitmix64 in int64 torch ops (wrapping multiply, logical shifts by masking)
+# Counter-based randomness: splitmix64 (splitmix.py), keyed by each sample's seed
 # ---------------------------------------------------------------------------------------------------------
 
-def _i64(value: int) -> int:
-    """The int64 with the same 64 bits as ``value`` mod 2**64."""
-    value %= 1 << 64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _i64(0x9E3779B97F4A7C15)
-_MUL1 = _i64(0xBF58476D1CE4E5B9)
-_MUL2 = _i64(0x94D049BB133111EB)
 _NOISE_COUNTER = 1 << 32  # erasing noise counters start here, far above the per-sample draws
-
-
-def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser: a bijection of 64-bit words with full avalanche."""
-    z = (z ^ _srl(z, 30)) * _MUL1
-    z = (z ^ _srl(z, 27)) * _MUL2
-    return z ^ _srl(z, 31)
-
-
-def _sample_keys(seeds: torch.Tensor) -> torch.Tensor:
-    """One 64-bit key per sample (splitmix64's first output for that seed)."""
-    return _mix64(seeds.to(torch.int64) + _GOLDEN)
-
-
-def _hash(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """The ``counters``-th splitmix64 output of each key: keys (B, 1, ...) broadcast against counters."""
-    return _mix64(keys + (counters + 1) * _GOLDEN)
 
 
 def uniforms(seeds: torch.Tensor, count: int) -> torch.Tensor:
     """(B, count) float64 uniforms in [0, 1): draw k of sample b depends on seeds[b] and k only."""
     counters = torch.arange(count, dtype=torch.int64, device=seeds.device)
-    return _srl(_hash(_sample_keys(seeds)[:, None], counters[None]), 11).to(torch.float64) * 2.0 ** -53
+    return srl(draw(keys_of(seeds)[:, None], counters[None]), 11).to(torch.float64) * 2.0 ** -53
 
 
 def ragged_normals(seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -229,10 +102,10 @@ def ragged_normals(seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     lengths = lengths.to(dev, non_blocking=True)
     starts = torch.cumsum(lengths, 0) - lengths
-    keys = torch.repeat_interleave(_sample_keys(seeds), lengths, output_size=total)
+    keys = torch.repeat_interleave(keys_of(seeds), lengths, output_size=total)
     k = torch.arange(total, device=dev) - torch.repeat_interleave(starts, lengths, output_size=total)
-    z = _hash(keys, _NOISE_COUNTER + k)
-    u1 = (_srl(z, 40) + 1).to(torch.float32) * 2.0 ** -24  # (0, 1]: the log is finite
+    z = draw(keys, _NOISE_COUNTER + k)
+    u1 = (srl(z, 40) + 1).to(torch.float32) * 2.0 ** -24  # (0, 1]: the log is finite
     u2 = ((z >> 16) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
 
@@ -263,7 +136,7 @@ class AugmentPlan:
 
 def _level_to_arg(name: str, m: torch.Tensor, sign: torch.Tensor, translate_pct: float) -> torch.Tensor:
     """timm's LEVEL_TO_ARG in float64, operation for operation (level = magnitude / 10)."""
-    level = m / _LEVEL_DENOM
+    level = m / LEVEL_DENOM
     if name in ("AutoContrast", "Equalize", "Invert"):
         return torch.zeros_like(m)
     if name == "Rotate":
@@ -286,7 +159,7 @@ def _level_to_arg(name: str, m: torch.Tensor, sign: torch.Tensor, translate_pct:
         return level * 0.3 * sign
     if name in ("TranslateXRel", "TranslateYRel"):
         return level * translate_pct * sign
-    raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(_ALL_OPS)}")
+    raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(ALL_OPS)}")
 
 
 def sample_plan(seeds: torch.Tensor, cfg: DeviceAugmentConfig, height: int, width: int) -> AugmentPlan:
@@ -508,7 +381,7 @@ def apply_op(name: str, img: torch.Tensor, arg: torch.Tensor, fill: tuple[int, i
     if name in GEOMETRIC_OPS:
         return affine_sample(img, _affine_coeffs(name, arg, img.shape[2], img.shape[3]), fill)
     if name not in _COLOUR_OPS:
-        raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(_ALL_OPS)}")
+        raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(ALL_OPS)}")
     return _COLOUR_OPS[name](img, arg)
 
 
@@ -597,24 +470,3 @@ def augment_batch(x: torch.Tensor, seeds: torch.Tensor, cfg: DeviceAugmentConfig
     if cfg.reprob > 0:
         out = _random_erase(out, seeds, plan.erase_box)
     return out
-
-
-def device_augment_throughput(device: str | torch.device, batch: int = 256, img_size: int = 224, steps: int = 10,
-                              warmup: int = 2, cfg: DeviceAugmentConfig | None = None) -> float:
-    """Images/s of ``augment_batch`` on ``device`` for uint8 batches already there (timed after ``warmup``)."""
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (batch, 3, img_size, img_size), generator=gen, dtype=torch.uint8).to(device)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for step in range(warmup):
-        augment_batch(x, torch.arange(batch, dtype=torch.int64) + step * batch, cfg)
-    sync()
-    start = time.perf_counter()
-    for step in range(steps):
-        augment_batch(x, torch.arange(batch, dtype=torch.int64) + (warmup + step) * batch, cfg)
-    sync()
-    return batch * steps / (time.perf_counter() - start)

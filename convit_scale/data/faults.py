@@ -13,7 +13,11 @@ import io
 
 from PIL import Image, UnidentifiedImageError
 
-from .geometry import DataError
+
+
+class DataError(RuntimeError):
+    """Unusable data (missing files, a truncated shard, a manifest mismatch): one line naming the input."""
+
 
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 """What PIL raises for bytes that are not a readable image (truncated, corrupt, not an image at all)."""

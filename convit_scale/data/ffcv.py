@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .ffcv_threads import importing_ffcv
+from ..ffcv_threads import importing_ffcv
 
 with importing_ffcv():
     import ffcv.loader.loader as ffcv_loader_module
@@ -38,9 +38,9 @@ with importing_ffcv():
 
 from ..config import DataConfig
 from .batch import Batch
-from .faults import limit_bad_samples, next_good, reason_of
-from .geometry import DataError, EpochGeometry, LoaderSpec
-from .plan import view_seeds
+from .faults import DataError, limit_bad_samples, next_good, reason_of
+from .geometry import EpochGeometry, LoaderSpec
+from .order import view_seeds
 from .private_aug import PrivateAugment
 from .transforms import MEAN, STD
 from .wds import read_manifest

@@ -12,11 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import rank_indices, views_per_rank
-
-
-class DataError(RuntimeError):
-    """Unusable data (missing files, a truncated shard, a manifest mismatch): one line naming the input."""
+from .faults import DataError
+from .order import rank_indices, views_per_rank
 
 
 @dataclass

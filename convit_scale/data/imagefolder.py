@@ -10,9 +10,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..config import DataConfig
 from .batch import Batch
-from .faults import DECODE_ERRORS, limit_bad_samples, reason_of
-from .geometry import DataError, EpochGeometry, LoaderSpec
-from .plan import sample_seed
+from .faults import DECODE_ERRORS, DataError, limit_bad_samples, reason_of
+from .geometry import EpochGeometry, LoaderSpec
+from .order import view_seeds
 from .transforms import build_eval_transform, build_train_transform, seed_host
 from .workers import iterate, loader_options
 
@@ -54,7 +54,7 @@ def _collate(items) -> Batch:
 
 
 def imagefolder_samples(root: Path, split: str, fraction: float) -> list[tuple[str, int]]:
-    from data_prep.scan import list_classes, scan_split, subsample
+    from convit_scale.imagetree import list_classes, scan_split, subsample
 
     classes = list_classes(root / "train")
     samples, _ = scan_split(root, split, classes)
@@ -63,7 +63,7 @@ def imagefolder_samples(root: Path, split: str, fraction: float) -> list[tuple[s
     return [(s.path, s.label) for s in samples]
 
 
-class MapStyleLoader:
+class ImageFolderLoader:
     """ImageFolder through a torch DataLoader and the epoch plan of ``plan.py``."""
 
     def __init__(self, d: DataConfig, spec: LoaderSpec):
@@ -89,7 +89,7 @@ class MapStyleLoader:
         # Seeded by the view's global position: the same sample gets the same augmentation whatever
         # the world size, so runs on 1 and on N ranks see identical batches.
         positions = self.geometry.global_positions(start_batch * b, len(idx))
-        items = [(int(i), sample_seed(s.seed, epoch, 0, int(p))) for i, p in zip(idx, positions)]
+        items = list(zip(idx.tolist(), view_seeds(s.seed, epoch, positions).tolist()))
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train, persistent_workers=False,
                             collate_fn=_collate, pin_memory=s.pin_memory,
                             **loader_options(self.d.num_workers, s.seed, epoch))

@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..config import DataConfig
 from .batch import Batch
-from .faults import DECODE_ERRORS, decode_rgb, limit_bad_samples, next_good, reason_of
-from .geometry import DataError, EpochGeometry, LoaderSpec, eval_positions
-from .plan import contiguous_range, epoch_permutation, sample_seed
+from .faults import DECODE_ERRORS, DataError, decode_rgb, limit_bad_samples, next_good, reason_of
+from .geometry import EpochGeometry, LoaderSpec, eval_positions
+from .order import contiguous_range, epoch_permutation, view_seeds
 from .transforms import build_eval_transform, build_train_transform, seed_host
 from .workers import iterate, loader_options
 
@@ -260,6 +260,8 @@ class _WdsEpoch(IterableDataset):
         read or decoded is replaced by the next good sample of the batch (cyclically), augmented with its own
         seed: a function of the batch alone, so a rerun and a resume replace it alike."""
         s, b = self.loader.spec, self.loader.spec.micro_batch_size
+        # the rank's views are the contiguous range [rank * V, (rank + 1) * V) of the epoch's sequence
+        seeds = view_seeds(s.seed, self.epoch, s.rank * self.loader.views_per_rank + k * b + np.arange(len(chunk)))
         images, labels, failed = [None] * len(chunk), [None] * len(chunk), {}
         for i, (url, key, jpg, label, reason) in enumerate(chunk):
             if reason is None:
@@ -270,18 +272,18 @@ class _WdsEpoch(IterableDataset):
             if reason is not None:
                 failed[i] = {"shard": url, "key": key, "reason": reason}
                 continue
-            seed_host(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+            seed_host(int(seeds[i]))
             images[i], labels[i] = self.loader.transform(img), label
         for i, record in failed.items():
             j = next_good(failed, i, len(chunk))
             if j is None:
                 raise DataError(f"{record['shard']}: no readable sample in batch {k} of epoch {self.epoch} "
                                 f"(key {record['key']}: {record['reason']})")
-            seed_host(sample_seed(s.seed, self.epoch, s.rank, k * b + i))
+            seed_host(int(seeds[i]))
             images[i], labels[i] = self.loader.transform(decode_rgb(chunk[j][2])), chunk[j][3]
-        seeds = torch.tensor([sample_seed(s.seed, self.epoch, s.rank, k * b + i) for i in range(len(chunk))],
-                             dtype=torch.int64) if s.train and s.augment_on_device else None  # device augmentation
-        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long), seeds, bad=list(failed.values()))
+        on_device = s.train and s.augment_on_device  # the device augments each sample from its seed
+        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long),
+                     torch.from_numpy(seeds.astype(np.int64)) if on_device else None, bad=list(failed.values()))
 
 
 def _shuffle_buffer(items, size: int, rng: np.random.Generator):

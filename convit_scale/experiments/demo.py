@@ -59,7 +59,7 @@ def _quiet_tqdm():
     first imported, which may already have happened, so the writer's name is bound to a disabled bar instead."""
     import functools
 
-    from ..data.ffcv_threads import importing_ffcv
+    from ..ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         import ffcv.writer
@@ -79,9 +79,10 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
-    from ..analysis.report import ANALYSIS_IMAGES, analysis_device, analyze, eval_batches
+    from ..analysis.report import ANALYSIS_IMAGES, analyze, eval_batches
+    from ..evaluation import resolve_device
     from ..config import load_config, recipe_path
-    from ..train.export import eval_view, load_trained_model
+    from ..trained import eval_view, load_trained_model
     from ..train.launch import run_recipe
 
     console = make_console()
@@ -118,7 +119,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
 
     console.rule("3/3 analysis: gating, nonlocality, attention maps, attention distance, CKA")
     t2 = time.time()
-    model = load_trained_model(end["checkpoint"]).to(analysis_device())
+    model = load_trained_model(end["checkpoint"]).to(resolve_device())
     batches = eval_batches(str(prepared[loader]), loader, model.patch_embed.img_size[0], ANALYSIS_IMAGES,
                            **eval_view(end["checkpoint"]))
     result = analyze(model, batches, out / "analysis", run_dir=run_dir, names=("convit_micro", ""))

@@ -1,4 +1,4 @@
-from .checkpoints import CheckpointMismatch, load_pretrained, read_state_dict
+from .weights import CheckpointMismatch, load_pretrained, read_state_dict
 from .convit import GPSA, MHSA, Block, ConViT, relative_positions
 from .registry import MODELS, PAPER_MODELS, ModelSpec, create_model, forward_flops, list_models
 

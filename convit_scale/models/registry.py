@@ -91,7 +91,7 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
         model.to_empty(device=target)
         model.init_weights()
     if pretrained_file is not None:
-        from .checkpoints import load_pretrained
+        from .weights import load_pretrained
 
         load_pretrained(model, pretrained_file)
     return model

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import comm
+from .. import comm
 
 PREFIX = "step_"
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, DistillConfig
-from ..models.checkpoints import load_timm_model
+from ..models.weights import load_timm_model
 
 
 HUB_NAME = re.compile(r"^.+-([0-9a-f]{8,64})\.(?:pth|pt|bin|safetensors)$")

@@ -89,7 +89,7 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
-    from . import comm
+    from .. import comm
 
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:

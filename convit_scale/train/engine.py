@@ -27,17 +27,16 @@ from ..config import Config, model_options
 from ..data import DataError, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_batch, augment_on_device, normalize
 from ..data.device_augment import config_of as device_augment_config
-from ..data.plan import sample_seed
+from ..data.order import step_seed
 from ..data.transforms import build_mixup, seed_all
 from ..metrics import MetricsWriter
 from ..models import MODELS, create_model, load_pretrained
-from ..models.checkpoints import CheckpointMismatch, check_state_dict, convert_state_dict, read_state_dict
+from ..models.weights import CheckpointMismatch, check_state_dict, convert_state_dict, read_state_dict
 from ..parallel import build_strategy, preload
-from . import comm
+from .. import comm, evaluation
 from .checkpoint import check_compatible, choose_checkpoint, load_checkpoint, read_meta, save_checkpoint
 from .debug import Faults, checksum, state_digest
 from .distributed import DistContext, check_world, init_distributed
-from .evaluate import summarize, topk_counts
 from .memory import peak_memory_mb, reset_peak_memory, tensor_memory_mb
 from .optim import build_optimizer
 from .schedule import lr_at, peak_lr
@@ -263,7 +262,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     non-finite gradient norm, stop, replaced samples) read by the host once: a bad step is skipped on every rank
     alike, and the replaced samples are gathered only when some rank has any."""
     cfg, ctx, strategy = run.cfg, run.ctx, run.strategy
-    seed_all(sample_seed(cfg.run.seed, state.epoch, ctx.rank, 10**9 + state.step))  # Mixup, drop-path
+    seed_all(step_seed(cfg.run.seed, state.epoch, state.step, ctx.rank))  # Mixup, drop-path
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
     stats = torch.zeros(5, dtype=torch.float64, device=ctx.device)
@@ -364,24 +363,12 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress, task) -> No
 
 
 # -- evaluation, analysis, checkpoints -------------------------------------------------------------------------
-@torch.no_grad()
 def evaluate(strategy, loader, ctx: DistContext, max_batches: int | None = None) -> dict:
-    """Top-1/top-5 over the whole split, sharded across ranks with exact counting; one reduction at the end."""
     strategy.train(False)
-    counts = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # correct@1, correct@5, loss sum, samples
-    seen = 0
-    with contextlib.closing(_closing_iter(loader.epoch(0))) as batches:
-        for i, (x, y) in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-            if x.dtype == torch.uint8:  # resized and cropped on the CPU, normalised on the device
-                x = normalize(x)
-            real = (torch.arange(len(y), device=y.device) + seen) < loader.num_real  # padding does not count
-            seen += len(y)
-            counts += topk_counts(strategy.forward(x), y, real)
-    strategy.train(True)
-    return summarize(comm.all_reduce(counts))
+    try:
+        return evaluation.evaluate(strategy.forward, loader, ctx.device, max_batches)
+    finally:
+        strategy.train(True)
 
 
 @torch.no_grad()
@@ -389,7 +376,7 @@ def _analysis(run: Run) -> dict | None:
     """Gating per GPSA layer and head, and nonlocality per layer on up to ``log.analysis_images`` validation images:
     each rank takes its share of its own validation images on its device with a full copy of the weights, and one
     reduction adds the sums up. Returned on rank 0."""
-    from ..analysis.metrics import attention_maps, gating, nonlocality_of
+    from ..analysis.attention import attention_maps, gating, nonlocality_of
 
     cfg, ctx, loader = run.cfg, run.ctx, run.val_loader
     if loader is None or cfg.log.analysis_images == 0:

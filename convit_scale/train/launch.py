@@ -111,7 +111,7 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
     d, model = cfg.data, cfg.model
     if d.format == "imagefolder":
         from ..data.imagefolder import imagefolder_samples
-        from data_prep.scan import list_classes
+        from convit_scale.imagetree import list_classes
 
         root = Path(loc)
         if not (root / split).is_dir():
@@ -165,7 +165,7 @@ def _check_pretrained(m) -> None:
     """model.pretrained holds the model's keys and shapes, checked against a model on the meta device."""
     from ..config import model_options
     from ..models import create_model, read_state_dict
-    from ..models.checkpoints import check_state_dict, convert_state_dict
+    from ..models.weights import check_state_dict, convert_state_dict
 
     model = create_model(m.name, device="meta", **model_options(m))
     sd = convert_state_dict(read_state_dict(m.pretrained), model)
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import ConfigError, find_recipe, load_config
     from ..data import DataError
-    from ..models.checkpoints import CheckpointMismatch
+    from ..models.weights import CheckpointMismatch
     from .distributed import check_launcher_env
     from .engine import EXIT_REQUEUE, NonFiniteLoss, SetupRefused, train
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+
+from .splitmix import keys_of, mix64, srl
 
 
 def views_per_rank(num_samples: int, world_size: int) -> int:
@@ -47,21 +50,17 @@ def contiguous_range(num_items: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + base + (part < extra)
 
 
-def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
-    """Augmentation seed of one sample view: resume-safe (no RNG stream to replay)."""
-    return int(np.random.default_rng([seed, epoch, rank, position]).integers(2**31))
+def view_seeds(seed: int, epoch: int, positions, stream: int = 0) -> np.ndarray:
+    """The augmentation seeds in [0, 2**31) of the views at ``positions`` (their places in the epoch), as uint64:
+    a pure function of (seed, epoch, stream, position) with no RNG stream to replay, so a resumed epoch and
+    another world size see the same seeds. Every format seeds its views here; ``stream`` keeps other draws (a
+    step's Mixup and drop-path) apart from the views'."""
+    key0, key1, key2 = keys_of(torch.tensor([seed, epoch, stream], dtype=torch.int64)).unbind()
+    h = mix64(torch.as_tensor(np.asarray(positions, dtype=np.int64)) ^ key0)
+    h = mix64(h ^ key1) if stream == 0 else mix64(mix64(h ^ key2) ^ key1)
+    return srl(h, 33).numpy().astype(np.uint64)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (wraps modulo 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def view_seeds(seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
-    """Vectorised augmentation seeds in [0, 2**31) of the views at ``positions`` (global positions in the
-    epoch): a pure function of (seed, epoch, position), as ``sample_seed`` but for a whole epoch at once."""
-    key = _mix64(np.array([seed, epoch], dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
-    h = _mix64(np.asarray(positions, dtype=np.uint64) ^ key[0])
-    return _mix64(h ^ key[1]) >> np.uint64(33)
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """The seed of a step's own draws on one rank (Mixup/CutMix, drop-path)."""
+    return int(view_seeds(seed, epoch, [step * (1 << 20) + rank], stream=1)[0])

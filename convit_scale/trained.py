@@ -1,4 +1,5 @@
-"""Consolidate a sharded run checkpoint (DCP or DeepSpeed) into one plain state dict / safetensors file."""
+"""A trained model, for evaluation, analysis and export: a run checkpoint (DCP or DeepSpeed, consolidated without
+any process group), an exported safetensors file, or published weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from .config import ModelConfig, model_options
+from .models import create_model, load_pretrained, read_state_dict
 
 
 def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -99,8 +103,6 @@ def eval_view(path: str | Path) -> dict:
 
 def load_trained_model(path: str | Path, name: str | None = None, num_classes: int | None = None):
     """A plain ConViT with the weights of a run checkpoint dir, an exported file or published weights."""
-    from ..config import ModelConfig, model_options
-    from ..models import create_model, load_pretrained, read_state_dict
 
     path = Path(path)
     section = _model_section(path)
