@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, DistillConfig
+from ..evaluation import evaluate
 from ..models.weights import load_timm_model
 
 
@@ -96,14 +98,23 @@ class DistillLoss:
         return (1 - self.d.alpha) * base + self.d.alpha * dist
 
 
-class TeacherForward:
-    """The teacher behind the ``forward``/``train`` interface that ``engine.evaluate`` calls."""
-
-    def __init__(self, teacher: nn.Module):
-        self.teacher = teacher
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.teacher(x.to(next(self.teacher.parameters()).dtype))
-
-    def train(self, mode: bool = True) -> None:
-        self.teacher.eval()  # never in train mode
+def check_teacher(teacher: nn.Module, cfg: Config, loader, ctx, images: int = 1000) -> None:
+    """``distill.teacher_min_top1``: the teacher's top-1 on up to ``images`` validation images, sharded over the
+    ranks on the training device, before any training step."""
+    d = cfg.distill
+    if d.teacher_min_top1 is None:
+        return
+    if loader is None:
+        raise ValueError("distill.teacher_min_top1 needs validation data (data.val_path) to evaluate the teacher")
+    per_rank = math.ceil(images / (ctx.world_size * cfg.data.eval_batch_size))
+    teacher.eval()
+    dtype = next(teacher.parameters()).dtype
+    found = evaluate(lambda x: teacher(x.to(dtype)), loader, ctx.device, max_batches=per_rank)
+    if ctx.is_main:
+        print(f"[convit-scale] teacher {d.teacher_checkpoint}: top-1 {found['top1']:.2f} on {found['samples']} "
+              f"validation images (distill.teacher_min_top1 = {d.teacher_min_top1:g})", flush=True)
+    if found["top1"] < d.teacher_min_top1:
+        raise ValueError(f"distill.teacher_checkpoint {d.teacher_checkpoint}: the teacher reaches {found['top1']:.2f}% "
+                         f"top-1 on {found['samples']} validation images, below distill.teacher_min_top1 = "
+                         f"{d.teacher_min_top1:g}: wrong file or wrong architecture (Table 4 uses DeiT's "
+                         f"regnety_160-a5fe301d.pth, 82.9%)")

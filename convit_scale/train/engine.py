@@ -35,7 +35,9 @@ from ..models.weights import CheckpointMismatch, check_state_dict, convert_state
 from ..parallel import build_strategy, preload
 from .. import comm, evaluation
 from .checkpoint import check_compatible, choose_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from ..analysis.during_training import epoch_analysis
 from .debug import Faults, checksum, state_digest
+from .distill import DistillLoss, check_teacher, load_teacher
 from .distributed import DistContext, check_world, init_distributed
 from .memory import peak_memory_mb, reset_peak_memory, tensor_memory_mb
 from .optim import build_optimizer
@@ -134,31 +136,8 @@ def _criterion(cfg: Config, device: torch.device):
     if not cfg.distill.enabled:
         base_loss = _loss_fn(cfg)
         return (lambda x, logits, y: base_loss(logits, y)), None
-    from .distill import DistillLoss, load_teacher
-
     teacher = load_teacher(cfg, device)
     return DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision), teacher
-
-
-def check_teacher(run: Run, images: int = 1000) -> None:
-    """``distill.teacher_min_top1``: the teacher's top-1 on up to ``images`` validation images, sharded over the
-    ranks on the training device, before any training step."""
-    from .distill import TeacherForward
-
-    d, loader = run.cfg.distill, run.val_loader
-    if d.teacher_min_top1 is None or run.teacher is None:
-        return
-    if loader is None:
-        raise ValueError("distill.teacher_min_top1 needs validation data (data.val_path) to evaluate the teacher")
-    per_rank = math.ceil(images / (run.ctx.world_size * run.cfg.data.eval_batch_size))
-    found = evaluate(TeacherForward(run.teacher), loader, run.ctx, max_batches=per_rank)
-    _log(run.ctx, f"[convit-scale] teacher {d.teacher_checkpoint}: top-1 {found['top1']:.2f} on {found['samples']} "
-                  f"validation images (distill.teacher_min_top1 = {d.teacher_min_top1:g})")
-    if found["top1"] < d.teacher_min_top1:
-        raise ValueError(f"distill.teacher_checkpoint {d.teacher_checkpoint}: the teacher reaches {found['top1']:.2f}% "
-                         f"top-1 on {found['samples']} validation images, below distill.teacher_min_top1 = "
-                         f"{d.teacher_min_top1:g}: wrong file or wrong architecture (Table 4 uses DeiT's "
-                         f"regnety_160-a5fe301d.pth, 82.9%)")
 
 
 def _loaders(cfg: Config, ctx: DistContext, micro: int):
@@ -228,7 +207,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
               MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher,
               device_augment=device_augment_config(cfg.data) if train_loader.spec.augment_on_device else None)
-    check_teacher(run)
+    if teacher is not None:
+        check_teacher(teacher, cfg, val_loader, ctx)
     run.memory = {"base_mem_mb": base_mem, "setup_peak_mem_mb": round(peak_memory_mb(ctx.device), 1),
                   "state_mem_mb": None}
     reset_peak_memory(ctx.device)
@@ -371,43 +351,6 @@ def evaluate(strategy, loader, ctx: DistContext, max_batches: int | None = None)
         strategy.train(True)
 
 
-@torch.no_grad()
-def _analysis(run: Run) -> dict | None:
-    """Gating per GPSA layer and head, and nonlocality per layer on up to ``log.analysis_images`` validation images:
-    each rank takes its share of its own validation images on its device with a full copy of the weights, and one
-    reduction adds the sums up. Returned on rank 0."""
-    from ..analysis.attention import attention_maps, gating, nonlocality_of
-
-    cfg, ctx, loader = run.cfg, run.ctx, run.val_loader
-    if loader is None or cfg.log.analysis_images == 0:
-        return None
-    plain = create_model(cfg.model.name, device=ctx.device, **{**model_options(cfg.model), "drop_path_rate": 0.0})
-    state = run.strategy.full_state_dict()  # collective; rank 0 holds it
-    if ctx.is_main:
-        plain.load_state_dict(state)
-    comm.broadcast_tensors(list(plain.state_dict().values()))
-    share = math.ceil(cfg.log.analysis_images / ctx.world_size)
-    sums = torch.zeros(len(plain.blocks) + 1, dtype=torch.float64, device=ctx.device)  # per layer, then images
-    seen = taken = 0
-    with contextlib.closing(_closing_iter(loader.epoch(0))) as batches:
-        for x, _ in batches:
-            n = min(len(x), loader.num_real - seen, share - taken)  # real images of this rank's share
-            seen, taken = seen + len(x), taken + max(n, 0)
-            if n <= 0:
-                break
-            for i in range(0, n, 32):  # (B, H, L, L) maps per layer: a few at a time
-                chunk = x[i:min(n, i + 32)].to(ctx.device, non_blocking=True)
-                chunk = normalize(chunk) if chunk.dtype == torch.uint8 else chunk  # device-augmentation mode
-                maps = attention_maps(plain, chunk)
-                sums[:-1] += torch.stack([nonlocality_of(a, plain.grid_size).mean() for a in maps]).double() * len(chunk)
-                sums[-1] += len(chunk)
-    total = comm.all_reduce(sums).tolist()
-    if not ctx.is_main:
-        return None
-    return {"gating": gating(plain), "nonlocality": [v / max(total[-1], 1) for v in total[:-1]],
-            "analysis_images": int(total[-1])}
-
-
 def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
     """Evaluation and the gating/nonlocality analysis, every ``run.eval_every_epochs`` and at the end (a short
     epoch, as on a small Table 2 subset, would otherwise spend more on its analysis than on its steps)."""
@@ -419,7 +362,7 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
         _log(run.ctx, f"[convit-scale] epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} "
                       f"top-5 {results['top5']:.2f} ({results['samples']} images); best top-1 "
                       f"{results['best_top1']:.2f} (epoch {results['best_epoch']})")
-        stats = _analysis(run)
+        stats = epoch_analysis(run.strategy, run.cfg, run.val_loader, run.ctx)
         if stats is not None:
             run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
     run.final.update(results)
