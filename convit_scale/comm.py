@@ -2,11 +2,15 @@
 
 On GPUs the process group has two backends (``cpu:gloo,cuda:nccl``), so object collectives and CPU bookkeeping
 stay legal, but the hot path keeps its tensors on the training device: :func:`all_reduce` moves a tensor to the
-communication device first, so a CPU tensor can never reach NCCL by accident. No other module of the package
-calls ``torch.distributed`` collectives (``tests/test_structure.py`` checks it).
+communication device first, so a CPU tensor can never reach NCCL by accident. With a process group every function
+calls the real collective, at world size 1 too, so that a one-GPU run sends each kind through NCCL; without one
+(analysis, a library caller) they are the identity. No other module of the package calls ``torch.distributed``
+collectives (``tests/test_structure.py`` checks it).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,19 +28,23 @@ def device() -> torch.device:
     return _device
 
 
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if is_initialized() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if is_initialized() else 1
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce ``t`` over ranks (sum or max) and return it on the communication device; ``t`` is reduced in place
     when it already lives there. No host synchronisation."""
     t = t.to(_device, non_blocking=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if is_initialized():
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t
 
@@ -48,7 +56,7 @@ def all_reduce_max(flag: bool | float) -> float:
 
 def all_gather_object(obj) -> list:
     """``obj`` of every rank, in rank order."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -57,7 +65,7 @@ def all_gather_object(obj) -> list:
 
 def broadcast_object(obj, src: int = 0):
     """Rank ``src``'s ``obj`` on every rank (e.g. the checkpoint that rank 0 chose)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not is_initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -66,7 +74,7 @@ def broadcast_object(obj, src: int = 0):
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
     """Rank ``src``'s values of ``tensors`` into every rank's (same shapes), through the communication device."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not is_initialized():
         return
     for t in tensors:
         moved = t.to(_device)
@@ -76,5 +84,17 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if is_initialized():
         dist.barrier()
+
+
+def destroy() -> None:
+    """End the process group, and DeepSpeed's references to it when DeepSpeed ran in this process (through its own
+    teardown), so that a next run in the same process starts clean."""
+    if not is_initialized():
+        return
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()

@@ -89,6 +89,25 @@ def run_ranks(recipe: Path, *overrides: str, nproc: int = 2, env: dict | None = 
                           timeout=timeout, cwd=REPO)
 
 
+def train_here(recipe: Path, *overrides: str, env: dict | None = None) -> int:
+    """The recipe on one rank in this process (a one-process gloo group), for what needs no second rank: no
+    interpreter start-up. Returns the exit status ``python -m convit_scale.train`` would have; ``env`` is set for
+    the run only (fault injection is read at set-up)."""
+    from convit_scale.config import load_config
+    from convit_scale.train.engine import exit_status
+
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return exit_status(load_config(recipe, list(overrides)))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def ranks_cmd(recipe: Path, *overrides: str, nproc: int = 2) -> list[str]:
     from convit_scale.train.distributed import free_port
 

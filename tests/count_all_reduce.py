@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from convit_scale.train import engine
-from convit_scale.train.launch import main
+from convit_scale.train import loop
+from convit_scale.train.__main__ import main
 
 calls = [0]
 per_step: list[int] = []
-_all_reduce, _train_step = dist.all_reduce, engine.train_step
+_all_reduce, _train_step = dist.all_reduce, loop.train_step
 
 
 def counting_all_reduce(*args, **kwargs):
@@ -29,7 +29,7 @@ def counted_step(run, state, micro_batches):
 
 
 dist.all_reduce = counting_all_reduce
-engine.train_step = counted_step
+loop.train_step = counted_step
 out = Path(sys.argv[1])
 rc = main(sys.argv[2:])
 (out / f"all_reduce_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(per_step))

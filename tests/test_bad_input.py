@@ -220,9 +220,9 @@ def test_train_refuses_before_any_rank_starts(case, tmp_path, capsys, request):
 
 
 def test_train_probes_a_silent_remote_location_once(fm_wds, tmp_path, capsys, monkeypatch):
-    from convit_scale.train import launch
+    from convit_scale.train import preflight
 
-    monkeypatch.setattr(launch, "PROBE_TIMEOUT_S", 1)  # the probe's limit (10 s), shortened for the test
+    monkeypatch.setattr(preflight, "PROBE_TIMEOUT_S", 1)  # the probe's limit (10 s), shortened for the test
     recipe = _recipe(tmp_path, "wds", fm_wds)
     refused(["train", "--recipe", recipe, "data.train_path='pipe:sleep 30; cat {name}'"], capsys,
             "data.train_path", "pipe:sleep 30; cat manifest.json gave no answer within 1 s")

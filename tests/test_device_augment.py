@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.overrides import TorchFunctionMode
 from timm.data.auto_augment import LEVEL_TO_ARG, NAME_TO_OP, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 
@@ -237,3 +238,41 @@ def test_throughput_runs():
     from convit_scale.bench.data import device_augment_rate
 
     assert device_augment_rate("cpu", batch=4, img_size=32, steps=1, warmup=1) > 0
+
+
+class HostToDevice(TorchFunctionMode):
+    """Every way host data reaches a device tensor: a tensor made from host data on a device (torch.tensor,
+    as_tensor: each a stream synchronisation on a GPU), and copies of CPU tensors to a device, with whether they
+    were asynchronous."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.copies = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        on_device = isinstance(out, torch.Tensor) and out.device.type != "cpu"
+        if name in ("tensor", "as_tensor", "asarray") and on_device:
+            self.made.append(name)
+        elif name in ("to", "cuda") and on_device and args[0].device.type == "cpu":
+            self.copies.append(bool(kwargs.get("non_blocking", False)))
+        elif name == "copy_" and args[0].device.type != "cpu" and args[1].device.type == "cpu":
+            self.copies.append(bool(kwargs.get("non_blocking", False)))
+        return out
+
+
+def test_a_batch_reaches_the_device_in_one_asynchronous_transfer_per_dtype():
+    # the meta device stands in for a GPU on the CPU: the per-batch arguments of RandAugment and erasing (op indices,
+    # levels, affine coefficients, erasing boxes and seeds) must not be copied one by one, blocking, nor built on the
+    # device from host data; constants (mean, std, fill colour) are made once per device
+    x = torch.zeros((16, 3, 32, 32), dtype=torch.uint8, device="meta")
+    seeds = torch.arange(16, dtype=torch.int64)
+    cfg = DeviceAugmentConfig(reprob=1.0)
+    augment_batch(x, seeds, cfg)  # the first batch makes the constants
+    with HostToDevice() as seen:
+        out = augment_batch(x, seeds + 16, cfg)
+        normalize(x)
+    assert out.device.type == "meta" and out.shape == (16, 3, 32, 32)
+    assert seen.made == [] and 1 <= len(seen.copies) <= 2 and all(seen.copies)

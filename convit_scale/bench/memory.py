@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..config import recipe_path
+from ..config import load_config, recipe_path
 from ..metrics import read_records
 from .worker import RSS_ENV
 
@@ -41,7 +41,7 @@ def _measure(tree: Path, out: Path, model: str, img_size: int, world: int, strat
                  "parallel.precision=fp32", "schedule.max_steps=2", "log.every_steps=1", "log.progress=false",
                  "checkpoint.resume=none", "log.debug_memory=true", f"run.output_dir={out}",
                  *zero_overrides(strategy, params)]
-    rc = run_recipe(str(recipe_path("cpu/demo.yaml")), overrides, world, env=RSS_ENV, quiet=world == 1)
+    rc = run_recipe(load_config(recipe_path("cpu/demo.yaml"), overrides), world, env=RSS_ENV, quiet=world == 1)
     recs = read_records(out) if rc == 0 else []
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 2 GB per configuration, not needed
     train = [r for r in recs if r["kind"] == "train"]

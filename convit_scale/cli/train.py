@@ -9,14 +9,13 @@ from .argtypes import positive_int, recipe, resume
 
 def _cmd_train(args) -> int:
     from ..config import load_config
-    from ..train.launch import preflight, run_recipe
+    from ..train.launch import run_recipe
 
     overrides = list(args.overrides)
     if args.resume is not None:  # the flag wins over an override of the same key
         overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
     cfg = load_config(args.recipe, overrides)  # refused here, before any process starts
-    preflight(cfg)
-    return run_recipe(args.recipe, overrides, args.nproc_per_node or 1, in_process=True, checked=True)
+    return run_recipe(cfg, args.nproc_per_node or 1, in_process=True)
 
 
 def register(sub) -> None:

@@ -8,16 +8,38 @@ repeated augmentation and drop the last partial batch; augmentation is seeded pe
 epoch continues bit-identically.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
 from ..config import DataConfig
+from .batch import Batch
 from .faults import DataError
 from .geometry import LoaderSpec
 from .imagefolder import ImageFolderLoader
 from .wds import WdsLoader, read_manifest
 
-__all__ = ["DataError", "LoaderSpec", "build_loader", "read_manifest"]
+__all__ = ["Batch", "DataError", "Loader", "LoaderSpec", "build_loader", "read_manifest"]
 
 
-def build_loader(d: DataConfig, spec: LoaderSpec):
+class Loader(Protocol):
+    """The contract of every format's loader (ImageFolder, WebDataset, FFCV)."""
+
+    spec: LoaderSpec
+    num_samples: int
+    """Images in the split (after the subset)."""
+    num_real: int
+    """Of this rank's views in an epoch, how many count (evaluation pads the ranks to equal length)."""
+
+    def __len__(self) -> int:
+        """Batches per epoch, the same on every rank."""
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        """The batches of ``epoch`` from ``start_batch`` on; closing the generator ends the epoch's workers."""
+
+
+def build_loader(d: DataConfig, spec: LoaderSpec) -> Loader:
     """The loader of ``data.format`` for one split on one rank."""
     if d.format == "imagefolder":
         return ImageFolderLoader(d, spec)

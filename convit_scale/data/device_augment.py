@@ -26,6 +26,7 @@ hashed on the images' device.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -95,12 +96,11 @@ def uniforms(seeds: torch.Tensor, count: int) -> torch.Tensor:
     return srl(draw(keys_of(seeds)[:, None], counters[None]), 11).to(torch.float64) * 2.0 ** -53
 
 
-def ragged_normals(seeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """float32 standard normals, ``lengths[b]`` for sample b, concatenated: value k of sample b depends only on
-    (seeds[b], k). Box-Muller on two 24-bit halves of one hash; seeds on the output device, lengths on the CPU."""
+def ragged_normals(seeds: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """float32 standard normals, ``lengths[b]`` for sample b, concatenated (``total`` of them, known on the host):
+    value k of sample b depends only on (seeds[b], k). Box-Muller on two 24-bit halves of one hash; seeds and
+    lengths on the output device."""
     dev = seeds.device
-    total = int(lengths.sum())
-    lengths = lengths.to(dev, non_blocking=True)
     starts = torch.cumsum(lengths, 0) - lengths
     keys = torch.repeat_interleave(keys_of(seeds), lengths, output_size=total)
     k = torch.arange(total, device=dev) - torch.repeat_interleave(starts, lengths, output_size=total)
@@ -345,12 +345,13 @@ def _cubic(v1, v2, v3, v4, t):
 def affine_sample(img: torch.Tensor, coeffs: torch.Tensor, fill: tuple[int, int, int]) -> torch.Tensor:
     """PIL's Image.transform(AFFINE, BICUBIC, fillcolor=fill) for a batch: one matrix per sample.
 
-    img (n, 3, H, W) float32 uint8 values; coeffs (n, 6) float64 as ``_affine_coeffs``. An output pixel whose
+    img (n, 3, H, W) float32 uint8 values; coeffs (n, 6) float64 on img's device, as ``_affine_coeffs``. An output
+    pixel whose
     source point falls outside the image gets ``fill``; inside, the 4x4 taps are clamped to the edge.
     """
     n, c, h, w = img.shape
     dev = img.device
-    co = coeffs.to(dev, torch.float64).view(n, 6, 1, 1).unbind(1)  # each (n, 1, 1)
+    co = coeffs.view(n, 6, 1, 1).unbind(1)  # each (n, 1, 1), float64 on img's device
     xs = torch.arange(w, dtype=torch.float64, device=dev).view(1, 1, w) + 0.5
     ys = torch.arange(h, dtype=torch.float64, device=dev).view(1, h, 1) + 0.5
     xin = co[0] * xs + co[1] * ys + co[2]  # (n, H, W) source coordinates, pixel centres at +0.5
@@ -370,16 +371,17 @@ def affine_sample(img: torch.Tensor, coeffs: torch.Tensor, fill: tuple[int, int,
 
     v = _cubic(*[_cubic(*[tap(r, col) for col in cols], dx) for r in rows], dy)
     v = v.clamp(0.0, 255.0).floor()
-    fill_t = torch.tensor(fill, dtype=img.dtype, device=dev)
-    return torch.where(inside.unsqueeze(-1), v, fill_t).permute(0, 3, 1, 2)
+    return torch.where(inside.unsqueeze(-1), v, constant(fill, img.dtype, dev)).permute(0, 3, 1, 2)
 
 
 def apply_op(name: str, img: torch.Tensor, arg: torch.Tensor, fill: tuple[int, int, int] = (124, 116, 104)
              ) -> torch.Tensor:
-    """One RandAugment op on float32 images with uint8 values (n, 3, H, W), one timm level argument per sample."""
+    """One RandAugment op on float32 images with uint8 values (n, 3, H, W), one timm level argument per sample (a
+    reference entry point: ``augment_batch`` moves its arguments once per batch)."""
     arg = arg.to(img.device, torch.float64)
     if name in GEOMETRIC_OPS:
-        return affine_sample(img, _affine_coeffs(name, arg, img.shape[2], img.shape[3]), fill)
+        coeffs = _affine_coeffs(name, arg.cpu(), img.shape[2], img.shape[3]).to(img.device)
+        return affine_sample(img, coeffs, fill)
     if name not in _COLOUR_OPS:
         raise ValueError(f"RandAugment op {name!r} is not supported; supported: {', '.join(ALL_OPS)}")
     return _COLOUR_OPS[name](img, arg)
@@ -395,24 +397,50 @@ def _check_batch(x: torch.Tensor) -> None:
         raise ValueError(f"images must be a uint8 tensor (B, 3, H, W); got {got}")
 
 
+@functools.lru_cache(maxsize=64)
+def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant (mean, std, a fill colour) on ``device``, made once per device: the copy of host data to a
+    GPU waits for the stream, so it must not happen per batch."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Per-batch host tensors on ``device`` with one transfer per dtype: concatenated into one page-locked buffer (on
+    CUDA) and copied asynchronously, so nothing waits for the device (a copy from pageable memory does, and one copy
+    per tensor would cost a stream synchronisation each). On the CPU they come back as they are."""
+    if device.type == "cpu":
+        return list(tensors)
+    out: list = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idxs in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idxs])
+        flat = (flat.pin_memory() if device.type == "cuda" else flat).to(device, non_blocking=True)
+        for i, part in zip(idxs, flat.split([tensors[i].numel() for i in idxs])):
+            out[i] = part.view(tensors[i].shape)
+    return out
+
+
 def normalize(x: torch.Tensor, cfg: DeviceAugmentConfig | None = None) -> torch.Tensor:
     """ToTensor + Normalize of a uint8 batch (B, 3, H, W) -> float32, as torchvision computes them."""
     _check_batch(x)
     x = x.contiguous()  # FFCV's crops arrive channels-last: transposed here, on the device, not in the loader
     cfg = cfg or DeviceAugmentConfig()
-    mean = torch.tensor(cfg.mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(cfg.std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
+    mean = constant(tuple(cfg.mean), torch.float32, x.device).view(1, 3, 1, 1)
+    std = constant(tuple(cfg.std), torch.float32, x.device).view(1, 3, 1, 1)
     return x.float().div(255).sub(mean).div(std)
 
 
-def _rand_augment(img: torch.Tensor, plan: AugmentPlan, cfg: DeviceAugmentConfig) -> torch.Tensor:
-    h, w = img.shape[2], img.shape[3]
-    ops = cfg.policy.ops
+def _rand_augment_jobs(plan: AugmentPlan, cfg: DeviceAugmentConfig, h: int, w: int) -> list[tuple]:
+    """(op name, sample indices, argument) per op of each layer, on the CPU, in the order they apply: each sample has
+    one op per layer, so a layer's op subsets are disjoint; its geometric ones share one sampler ("affine", with
+    PIL's affine coefficients as the argument)."""
+    jobs = []
     for layer in range(plan.op.shape[0]):
-        # each sample has one op per layer, so the op subsets are disjoint; geometric ones share one sampler
         geo_idx, geo_coeffs = [], []
-        for k, name in enumerate(ops):
-            idx = (plan.op[layer] == k).nonzero().squeeze(1)  # on the CPU: no device sync
+        for k, name in enumerate(cfg.policy.ops):
+            idx = (plan.op[layer] == k).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
             arg = plan.arg[layer, idx]
@@ -420,40 +448,45 @@ def _rand_augment(img: torch.Tensor, plan: AugmentPlan, cfg: DeviceAugmentConfig
                 geo_idx.append(idx)
                 geo_coeffs.append(_affine_coeffs(name, arg, h, w))
             else:
-                dev_idx = idx.to(img.device, non_blocking=True)
-                img[dev_idx] = _COLOUR_OPS[name](img[dev_idx], arg.to(img.device, non_blocking=True))
+                jobs.append((name, idx, arg))
         if geo_idx:
-            dev_idx = torch.cat(geo_idx).to(img.device, non_blocking=True)
-            img[dev_idx] = affine_sample(img[dev_idx], torch.cat(geo_coeffs), cfg.fill)
-    return img
+            jobs.append(("affine", torch.cat(geo_idx), torch.cat(geo_coeffs)))
+    return jobs
 
 
-def _random_erase(out: torch.Tensor, seeds: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
+def _erase_job(seeds: torch.Tensor, box: torch.Tensor, channels: int) -> tuple | None:
+    """(sample indices, their boxes, their seeds, noise values per sample) of random erasing, on the CPU."""
+    idx = (box[:, 2] > 0).nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return None
+    return idx, box[idx], seeds[idx], channels * box[idx, 2] * box[idx, 3]
+
+
+def _random_erase(out: torch.Tensor, job: tuple, total: int) -> torch.Tensor:
     """timm RandomErasing (mode 'pixel'): the box gets per-pixel standard normal noise, after normalisation.
 
     Noise value k of a sample is its k-th box pixel in (channel, row, column) order, hashed only for box pixels.
-    """
-    idx = (box[:, 2] > 0).nonzero().squeeze(1)  # box is on the CPU: no device sync
-    if idx.numel() == 0:
-        return out
+    ``job``: ``_erase_job``'s tensors, on ``out``'s device; ``total``: the number of noise values."""
+    idx, box, seeds, lengths = job
     n, (_, c, h, w) = idx.numel(), out.shape
-    dev_idx = idx.to(out.device, non_blocking=True)
-    top, left, bh, bw = box[idx].to(out.device, non_blocking=True).view(n, 4, 1, 1).unbind(1)
+    top, left, bh, bw = box.view(n, 4, 1, 1).unbind(1)
     rows = torch.arange(h, device=out.device).view(1, h, 1)
     cols = torch.arange(w, device=out.device).view(1, 1, w)
     inside = (rows >= top) & (rows < top + bh) & (cols >= left) & (cols < left + bw)  # (n, H, W)
-    noise = ragged_normals(seeds.to(out.device)[dev_idx], c * box[idx, 2] * box[idx, 3])
-    erased = out[dev_idx]
+    noise = ragged_normals(seeds, lengths, total)
+    erased = out[idx]
     erased.masked_scatter_(inside.unsqueeze(1).expand(n, c, h, w), noise)  # row-major: the k-th box pixel
-    out[dev_idx] = erased
+    out[idx] = erased
     return out
 
 
 def augment_batch(x: torch.Tensor, seeds: torch.Tensor, cfg: DeviceAugmentConfig | None = None) -> torch.Tensor:
     """RandAugment, ToTensor/Normalize and random erasing of a uint8 batch, every choice drawn from ``seeds``.
 
-    x: uint8 (B, 3, H, W) on any device, already cropped and flipped. seeds: int64 (B,), one per sample (on the
-    CPU to avoid a device sync). Returns float32 (B, 3, H, W) on x's device.
+    x: uint8 (B, 3, H, W) on any device, already cropped and flipped. seeds: int64 (B,), one per sample, on the CPU
+    (page-locked from the loader). Every choice is made on the host from the seeds; the per-sample arguments reach
+    the device in one asynchronous transfer per dtype (``to_device``) and nothing is read back: no stream
+    synchronisation. Returns float32 (B, 3, H, W) on x's device.
     """
     _check_batch(x)
     if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.shape != (x.shape[0],):
@@ -462,11 +495,20 @@ def augment_batch(x: torch.Tensor, seeds: torch.Tensor, cfg: DeviceAugmentConfig
         raise ValueError(f"seeds must be an int64 tensor of shape ({x.shape[0]},), one per image; got {got}")
     x = x.contiguous()  # FFCV's crops arrive channels-last: transposed here, on the device, not in the loader
     cfg = cfg or DeviceAugmentConfig()
+    seeds = seeds.detach().cpu()
     plan = sample_plan(seeds, cfg, x.shape[2], x.shape[3])
+    jobs = _rand_augment_jobs(plan, cfg, x.shape[2], x.shape[3]) if cfg.policy is not None else []
+    erase = _erase_job(seeds, plan.erase_box, x.shape[1]) if cfg.reprob > 0 else None
+    host = [t for _, idx, arg in jobs for t in (idx, arg)] + list(erase or ())
+    moved = iter(to_device(host, x.device))
     if cfg.policy is not None:
-        img = _rand_augment(x.float(), plan, cfg)
+        img = x.float()
+        for name, _, _ in jobs:
+            idx, arg = next(moved), next(moved)
+            img[idx] = (affine_sample(img[idx], arg, cfg.fill) if name == "affine"
+                        else _COLOUR_OPS[name](img[idx], arg))
         x = img.to(torch.uint8)  # exact: every op leaves integer values in [0, 255]
     out = normalize(x, cfg)
-    if cfg.reprob > 0:
-        out = _random_erase(out, seeds, plan.erase_box)
+    if erase is not None:
+        out = _random_erase(out, tuple(moved), int(erase[3].sum()))
     return out

@@ -96,7 +96,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     if epochs is not None:
         overrides.append(f"schedule.epochs={epochs}")
     recipe = str(recipe_path("cpu/demo.yaml"))
-    load_config(recipe, overrides)  # refuse a bad option before any work starts
+    cfg = load_config(recipe, overrides)  # refuse a bad option before any work starts
 
     console.rule("1/3 data: Fashion-MNIST -> ImageFolder tree -> WebDataset shards and FFCV")
     tree = build_tree(prepared["imagefolder"], {"train": train_per_class, "val": val_per_class})
@@ -111,7 +111,7 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
     if end is not None:
         console.print(f"already trained ({end['step']} steps): {end['checkpoint']}; delete {run_dir} to retrain")
     else:
-        rc = run_recipe(recipe, overrides, nproc, in_process=True)
+        rc = run_recipe(cfg, nproc, in_process=True)
         if rc != 0:
             raise SystemExit(f"error: training exited with status {rc}; run `make demo` again to resume")
         end = _finished(run_dir)

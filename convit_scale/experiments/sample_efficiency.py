@@ -38,16 +38,16 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
             overrides = [f"model.name={model}", f"data.train_path={data}", f"data.val_path={data}",
                          f"data.subset_fraction={f}", f"schedule.epochs={epochs}", f"run.output_dir={run}",
                          f"run.eval_every_epochs={max(1, epochs // 10)}"]  # a curve of ~10 points per run
-            load_config(recipe, overrides)  # every run's options are checked before the first one starts
-            runs.append((model, f, run, overrides))
+            cfg = load_config(recipe, overrides)  # every run's options are checked before the first one starts
+            runs.append((model, f, run, cfg))
     threads = max(1, usable_cpus() // (jobs * nproc))
 
-    def train(model: str, f: float, run: Path, overrides: list[str]) -> float:
+    def train(model: str, f: float, run: Path, cfg) -> float:
         if not _ends(run):
             if jobs == 1:
-                rc = run_recipe(recipe, overrides, nproc, in_process=True)
+                rc = run_recipe(cfg, nproc, in_process=True)
             else:
-                rc = run_recipe(recipe, overrides, nproc, env={"OMP_NUM_THREADS": str(threads)}, quiet=True)
+                rc = run_recipe(cfg, nproc, env={"OMP_NUM_THREADS": str(threads)}, quiet=True)
             if rc != 0:
                 raise SystemExit(f"error: training {run} exited with status {rc} (its metrics.jsonl has the steps "
                                  f"it made; run the command again to resume it)")

@@ -1,10 +1,16 @@
-"""The one small interface every strategy (DDP, FSDP2, DeepSpeed ZeRO) implements for the loop.
+"""The one interface every strategy (DDP, FSDP2, DeepSpeed ZeRO) implements for the loop, and the model contract
+the strategies rely on.
 
 Two names, never more: ``wrapped`` is the module the loop calls (DDP, an FSDP2-sharded model, a DeepSpeed
 engine), ``module`` is the ConViT itself (its parameters may be sharded).
 
-A step is ``backward`` per micro-batch, then ``clip_gradients`` (the global gradient norm stays on the device:
-the loop folds its finiteness into the step's one reduction), then ``step`` or ``skip_step``.
+A step, in order:
+1. ``forward`` and ``backward`` per micro-batch, inside ``micro_batch`` (gradients are reduced on the last one);
+2. ``grad_square_sum``: this rank's share of the squared gradient norm, a device tensor the loop folds into the
+   step's one packed all-reduce (no host synchronisation, no collective of its own);
+3. the loop reads the reduced values once and decides: ``step(grad_norm)`` applies the update (clipped to
+   ``grad_clip`` with the global norm), ``skip_step()`` discards the step's gradients and leaves weights and
+   optimizer state exactly as they were. Nothing touches the weights before that decision.
 """
 
 from __future__ import annotations
@@ -12,11 +18,29 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..config import ParallelConfig
+
+
+@runtime_checkable
+class ShardableModel(Protocol):
+    """What the strategies rely on in a model (every registered ConViT/DeiT has it)."""
+
+    blocks: nn.ModuleList
+    """The transformer blocks: FSDP2 shards each one, torch.compile compiles each one."""
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in backward (activation checkpointing)."""
+
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place: after ``to_empty`` on FSDP2 shards (meta init)."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters trained without weight decay besides biases and norms."""
 
 
 class Strategy:
@@ -26,9 +50,15 @@ class Strategy:
     scales_loss = False
     """True where a loss scaler (fp16) owns overflowing gradients: it skips those steps and lowers the scale
     itself, so a non-finite gradient norm is not a bad step there (a non-finite loss still is)."""
+    norm_is_global = True
+    """Whether the reduced ``grad_square_sum`` is the squared global gradient norm (else only its finiteness is:
+    DeepSpeed reduces gradients into partitions of its own, and reports the norm itself)."""
 
     def __init__(self, model: nn.Module, p: ParallelConfig, device: torch.device, world_size: int,
                  grad_clip: float | None = None):
+        if not isinstance(model, ShardableModel):
+            raise TypeError(f"{type(model).__name__} lacks the model contract the strategies rely on "
+                            f"(blocks, set_grad_checkpointing, init_weights, no_weight_decay)")
         self.p, self.device, self.world_size, self.grad_clip = p, device, world_size, grad_clip
         self.module = model  # the ConViT itself
         self.wrapped: nn.Module = model  # what forward calls; set by setup()
@@ -58,18 +88,25 @@ class Strategy:
     def backward(self, loss: torch.Tensor, is_last_micro: bool, grad_accum: int) -> None:
         raise NotImplementedError
 
-    def clip_gradients(self) -> torch.Tensor:
-        """Clip (if the recipe asks) and return the global gradient norm before clipping, as a tensor on the
-        device (no host synchronisation)."""
+    def grad_square_sum(self) -> torch.Tensor:
+        """This rank's share of the step's squared gradient norm, a float64 scalar on the device (no host
+        synchronisation): summed over the ranks it is the squared global norm before clipping, non-finite exactly
+        when some gradient value is. Called once per step, after the last backward."""
         raise NotImplementedError
 
-    def step(self) -> None:
-        """Apply the optimizer step and zero the gradients."""
+    def step(self, grad_norm: float | None) -> None:
+        """Apply the update of a good step (gradients clipped to ``grad_clip`` with the global ``grad_norm``) and
+        zero the gradients."""
         raise NotImplementedError
 
     def skip_step(self) -> None:
-        """Discard the accumulated gradients of a bad step; weights and optimizer state stay as they were."""
+        """Discard the gradients of a bad step; weights and optimizer state stay exactly as they were."""
         self.optimizer.zero_grad(set_to_none=True)
+
+    def reported_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step where the strategy measures it itself (a host read: for log
+        steps only); None where ``grad_square_sum`` already gave it."""
+        return None
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -101,10 +138,25 @@ class Strategy:
         return [t.to_local() if hasattr(t, "to_local") else t for t in out]
 
 
-def clip_and_norm(params, grad_clip: float | None) -> torch.Tensor:
-    """Global gradient norm (DTensor-aware) as a device tensor; clips when ``grad_clip`` is set."""
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+def local_grads(params) -> list[torch.Tensor]:
+    """The gradients this rank holds, as plain tensors (an FSDP2 DTensor gradient: its local shard)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """sum of squares of ``grads`` as a float64 device scalar: one multi-tensor norm kernel, no host sync."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(grads)
+    return torch.stack(norms).double().pow(2).sum()
+
+
+def clip_(grads: list[torch.Tensor], grad_clip: float | None, grad_norm: float | None) -> None:
+    """torch's ``clip_grad_norm_`` rule with the norm already known on the host: scale by
+    grad_clip / (norm + 1e-6) when that is below 1. The factor is a Python number: no device value is read."""
+    if grad_clip is None or grad_norm is None or not math.isfinite(grad_norm):
+        return
+    coef = grad_clip / (grad_norm + 1e-6)
+    if coef < 1.0 and grads:
+        torch._foreach_mul_(grads, coef)

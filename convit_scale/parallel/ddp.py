@@ -1,14 +1,23 @@
-"""DDP (one process: the plain module) with DCP checkpoints."""
+"""DDP (one process: the plain module, still through DDP's code path when a process group exists) with DCP
+checkpoints."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .base import Strategy, clip_and_norm
+from .. import comm
+from .base import Strategy, clip_, local_grads, square_sum
 from .dcp import DCPStateMixin
+
+
+# DDP broadcasts module buffers from rank 0 before every synced forward unless told not to; torch 2.14 renamed the
+# switch (``forward_sync_buffers``) and deprecated the old one, which older releases alone know.
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
 
 
 class DDPStrategy(DCPStateMixin, Strategy):
@@ -19,10 +28,11 @@ class DDPStrategy(DCPStateMixin, Strategy):
         if self.p.activation_checkpointing:  # non-reentrant checkpointing: DDP's hooks fire once per parameter
             self.module.set_grad_checkpointing(True)
         self.wrapped = self.module
-        if self.world_size > 1:
-            # gradients live in the communication buckets: no second copy of them (4 bytes/param saved)
+        if comm.is_initialized() and self.p.strategy != "none":  # world size 1 too: DDP.s collectives reach NCCL
+            # gradients live in the communication buckets: no second copy of them (4 bytes/param saved); the GPSA
+            # position buffers are deterministic (built from the grid), so DDP need not broadcast them every forward
             self.wrapped = DDP(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                               gradient_as_bucket_view=True)
+                               gradient_as_bucket_view=True, **NO_BUFFER_SYNC)
         if self.p.compile:
             self.wrapped = torch.compile(self.wrapped)
         self.optimizer = optimizer_fn(self.module)
@@ -38,12 +48,15 @@ class DDPStrategy(DCPStateMixin, Strategy):
         loss = loss / grad_accum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def clip_gradients(self):
+    def grad_square_sum(self):
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        return clip_and_norm(self.module.parameters(), self.grad_clip)
+            self.scaler.unscale_(self.optimizer)  # the norm of the true gradients (found-inf stays on the device)
+        # after DDP's all-reduce every rank holds the same gradients: rank 0 alone contributes them
+        own = square_sum(local_grads(self.module.parameters()), self.device)
+        return own if comm.rank() == 0 else torch.zeros_like(own)
 
-    def step(self):
+    def step(self, grad_norm):
+        clip_(local_grads(self.module.parameters()), self.grad_clip, grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)  # skips the step itself when the scaled gradients overflowed
             self.scaler.update()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .base import Strategy, clip_and_norm
+from .base import Strategy, clip_, local_grads, square_sum
 from .dcp import DCPStateMixin
 
 
@@ -20,8 +22,11 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
                 raise ValueError(f"parallel.hsdp_replicas = {p.hsdp_replicas} does not divide the world size {self.world_size}")
             mesh = init_device_mesh(self.device.type, (p.hsdp_replicas, self.world_size // p.hsdp_replicas),
                                     mesh_dim_names=("replicate", "shard"))
+            # each shard is held by every replica: the first replica alone contributes it to the gradient norm
+            self._counts_norm = mesh.get_local_rank("replicate") == 0
         else:
             mesh = init_device_mesh(self.device.type, (self.world_size,))
+            self._counts_norm = True
         mp = None
         if p.precision == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction and master weights
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -48,8 +53,6 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         self.optimizer = optimizer_fn(model)
 
     def autocast(self):
-        import contextlib
-
         return contextlib.nullcontext()  # the MixedPrecisionPolicy casts parameters and inputs
 
     def forward(self, x):
@@ -60,9 +63,11 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         self.wrapped.set_requires_gradient_sync(is_last_micro)
         (loss / grad_accum).backward()
 
-    def clip_gradients(self):
-        return clip_and_norm(self.module.parameters(), self.grad_clip)
+    def grad_square_sum(self):
+        own = square_sum(local_grads(self.module.parameters()), self.device)  # this rank's shards
+        return own if self._counts_norm else torch.zeros_like(own)
 
-    def step(self):
+    def step(self, grad_norm):
+        clip_(local_grads(self.module.parameters()), self.grad_clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
 from pathlib import Path
 
 import torch
@@ -13,25 +15,30 @@ from .base import Strategy
 GPU_DEFAULTS = {"bucket": int(5e8), "overlap_comm": True, "param_persistence_threshold": int(1e5),
                 "prefetch_bucket": int(5e7), "max_live_parameters": int(1e9), "max_reuse_distance": int(1e9),
                 "sub_group_size": int(1e9)}
+BUCKET_RANGE = (int(1e6), int(5e8))
+"""Bucket sizes (elements) are a tenth of the model within this range, unless ``parallel.zero_bucket_elements``
+says otherwise: with DeepSpeed's 5e8 a model of up to 500M parameters (ConViT-B+ has 153M) fills one bucket, whose
+reduction starts only after the whole backward; a tenth lets nine tenths of the reduction overlap it."""
 
 
 def zero_sizes(p, num_params: int, device: torch.device | str = "cpu") -> dict:
     """The ZeRO buffer sizes (elements) and switches for ``p`` (a ParallelConfig) on ``device``.
 
-    Each ``parallel.zero_*`` key that is set wins. Unset ones take DeepSpeed's defaults on CUDA; on CPU
-    they are sized from the model, because DeepSpeed's defaults cost more memory than a small model (and
-    on CPU ZeRO-3 with them used more memory per rank than DDP): buckets, prefetch, live parameters,
-    reuse distance and optimizer sub-groups of ``zero_bucket_elements`` or a tenth of the model within
-    [1e6, 5e8], no overlap of communication (no streams to overlap on), every parameter sharded
-    (persistence threshold 0).
-    The engine (``deepspeed_config``) and the planner both read their sizes from here.
+    Each ``parallel.zero_*`` key that is set wins. Buckets (reduce and all-gather) are ``zero_bucket_elements`` or a
+    tenth of the model within ``BUCKET_RANGE`` on any device. The other keys take DeepSpeed's defaults on CUDA; on
+    CPU they are sized from the model too, because DeepSpeed's defaults cost more memory than a small model (and on
+    CPU ZeRO-3 with them used more memory per rank than DDP): prefetch, live parameters, reuse distance and
+    optimizer sub-groups of a bucket, no overlap of communication (no streams to overlap on), every parameter
+    sharded (persistence threshold 0). The engine (``deepspeed_config``) and the planner both read their sizes
+    from here.
     """
+    low, high = BUCKET_RANGE
+    bucket = p.zero_bucket_elements or int(min(high, max(low, num_params / 10)))
     if torch.device(device).type == "cuda":
-        auto = {**GPU_DEFAULTS, "bucket": p.zero_bucket_elements or GPU_DEFAULTS["bucket"]}
+        auto = {**GPU_DEFAULTS, "bucket": bucket}
     else:
-        b = p.zero_bucket_elements or int(min(5e8, max(1e6, num_params / 10)))
-        auto = {"bucket": b, "overlap_comm": False, "param_persistence_threshold": 0, "prefetch_bucket": b,
-                "max_live_parameters": b, "max_reuse_distance": b, "sub_group_size": b}
+        auto = {"bucket": bucket, "overlap_comm": False, "param_persistence_threshold": 0, "prefetch_bucket": bucket,
+                "max_live_parameters": bucket, "max_reuse_distance": bucket, "sub_group_size": bucket}
     chosen = {"overlap_comm": p.zero_overlap_comm, "param_persistence_threshold": p.zero_param_persistence_threshold,
               "prefetch_bucket": p.zero_prefetch_bucket_elements, "max_live_parameters": p.zero_max_live_parameters,
               "max_reuse_distance": p.zero_max_reuse_distance}
@@ -66,6 +73,8 @@ def deepspeed_config(p, micro_batch: int, grad_accum: int, world_size: int, num_
         "gradient_clipping": grad_clip or 0.0,
         "bf16": {"enabled": p.precision == "bf16"},
         "fp16": {"enabled": p.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        # gradients reduced and accumulated in fp32, as FSDP2's reduce_dtype: bf16 sums of 32 ranks lose digits
+        "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -125,12 +134,44 @@ def skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def deepspeed_args(device: torch.device):
+    """What ``deepspeed.initialize`` gets as ``args``: the rank's own device index. Without it DeepSpeed's engine
+    calls ``set_device(LOCAL_RANK)``, which on a site that gives each task one GPU (CUDA_VISIBLE_DEVICES of
+    length 1) is "invalid device ordinal" for every local rank but 0."""
+    return types.SimpleNamespace(device_rank=device.index if device.index is not None else 0) \
+        if device.type == "cuda" else None
+
+
+class _OptimizerGate:
+    """The update of a step goes through the torch optimizer's ``step`` that DeepSpeed's ZeRO optimizer calls: while
+    the gate is closed that call does nothing, so weights and moments stay exactly as they were whatever DeepSpeed's
+    release does with a non-finite gradient (its overflow checks differ by release, stage and dtype), and the
+    engine's ``step`` still resets its own accumulation state."""
+
+    def __init__(self, optimizers):
+        self.open = True
+        for opt in optimizers:
+            step = opt.step
+            opt.step = lambda *a, _step=step, **k: _step(*a, **k) if self.open else None
+
+    @contextlib.contextmanager
+    def closed(self):
+        self.open = False
+        try:
+            yield
+        finally:
+            self.open = True
+
+
 class ZeroStrategy(Strategy):
-    """DeepSpeed ZeRO-1/2/3. DeepSpeed clips and steps inside its engine, and discards a step whose gradient norm
-    is not finite itself (its overflow check): the step happens in ``clip_gradients``, at the accumulation
-    boundary, so that DeepSpeed's own accumulation state is reset whether or not the update was applied."""
+    """DeepSpeed ZeRO-1/2/3. The loop decides on the step before DeepSpeed's engine takes it: the finiteness of
+    the gradients comes from hooks on every parameter, which see each micro-batch's gradients as autograd computes
+    them, before DeepSpeed reduces them into its partitions (a reduced gradient is non-finite only if a
+    contribution is). A good step is ``engine.step()``; a bad one is the same call with the optimizer gated shut,
+    so DeepSpeed resets its accumulation state and nothing is updated."""
 
     name = "zero"
+    norm_is_global = False  # the hooks see contributions, not the reduced gradient: DeepSpeed reports the norm
 
     def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
         import deepspeed
@@ -146,14 +187,22 @@ class ZeroStrategy(Strategy):
         share_fp32_master_partitions()
         if self.device.type == "cpu":
             skip_shm_comm_build()
-        self._engine, self.optimizer, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=cfg)
+        self._engine, self.optimizer, _, _ = deepspeed.initialize(args=deepspeed_args(self.device), model=self.module,
+                                                                  optimizer=optimizer, config=cfg)
         self.wrapped = self._engine
         self.module = self._engine.module
         self.scales_loss = self.p.precision == "fp16"  # DeepSpeed's dynamic loss scaling
+        inner = [optimizer] + [o for o in (getattr(self.optimizer, "backup_optimizer", None),) if o is not None]
+        self._gate = _OptimizerGate(inner)
+        self._grad_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for param in self.module.parameters():
+            if param.requires_grad:
+                param.register_hook(self._count)
+
+    def _count(self, grad: torch.Tensor) -> None:
+        self._grad_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).double().square()
 
     def autocast(self):
-        import contextlib
-
         return contextlib.nullcontext()  # DeepSpeed holds bf16/fp16 parameters itself
 
     def forward(self, x):
@@ -165,27 +214,29 @@ class ZeroStrategy(Strategy):
         self._engine.set_gradient_accumulation_boundary(is_last_micro)
         self._engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
 
-    def clip_gradients(self):
+    def grad_square_sum(self):
+        total, self._grad_sq = self._grad_sq, torch.zeros_like(self._grad_sq)
+        return total
+
+    def step(self, grad_norm):
         # clipping was configured at set-up (DeepSpeed's ZeRO optimizers take it at construction)
         self._engine.set_gradient_accumulation_boundary(True)
         self._engine.step()
-        norm = self._engine.get_global_grad_norm()
-        if norm is None or not self._engine.was_step_applied():
-            norm = float("inf")  # DeepSpeed found the gradients non-finite and discarded the update
-        return torch.as_tensor(float(norm), device=self.device)
-
-    def step(self):
-        pass  # taken in clip_gradients
 
     def skip_step(self):
-        # DeepSpeed already discarded a step whose gradients were not finite (a non-finite loss gives such
-        # gradients); its accumulation boundary has passed, so nothing is left to reset.
+        self._engine.set_gradient_accumulation_boundary(True)
+        with self._gate.closed():
+            self._engine.step()
         self._engine.zero_grad()
+
+    def reported_grad_norm(self) -> float | None:
+        """DeepSpeed's global gradient norm of the last step taken (a host read: at log steps only)."""
+        norm = self._engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def set_lr(self, lr):
         for g in self._engine.optimizer.param_groups:
             g["lr"] = lr
-
     def save(self, directory: Path) -> None:
         self._engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
 

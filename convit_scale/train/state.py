@@ -1,8 +1,28 @@
-"""Where a run is: the counters the loop advances, saved in every checkpoint's meta.json."""
+"""Where a run is: the counters the loop advances (saved in every checkpoint's meta.json) and the meters it reads
+as it goes (never saved)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Meters:
+    """What the loop measures on its way: the log clock, memory figures, the latest evaluation."""
+
+    last_log_time: float = field(default_factory=time.time)
+    images_since_log: int = 0
+    steps_since_log: int = 0
+    base_mem_mb: float | None = None
+    """The process before the model (libraries, the process group)."""
+    setup_peak_mem_mb: float | None = None
+    """The peak of set-up (a whole model built before sharding, DeepSpeed's partitioning copies)."""
+    state_mem_mb: list | None = None
+    """Live tensors after backward per rank, once (``log.debug_memory``)."""
+    teacher_checksum_start: float | None = None
+    final: dict = field(default_factory=dict)
+    """The latest evaluation (with the best so far), then the end of the run."""
 
 
 @dataclass
@@ -19,6 +39,7 @@ class TrainState:
     checkpoint is written."""
     best: dict | None = None
     """The best evaluation so far: best_top1, best_top5, best_epoch (kept across resumes)."""
+    meters: Meters = field(default_factory=Meters, compare=False)
 
     def record_eval(self, epoch: int, results: dict) -> dict:
         """``results`` with the best top-1/top-5 so far (and its epoch) added."""
@@ -35,6 +56,6 @@ class TrainState:
     def from_meta(cls, meta: dict, accum: int, world_size: int) -> "TrainState":
         # The same world size continues at the same micro-batch; another one at the same optimizer step.
         same_world = meta["world_size"] == world_size
-        return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0), best=meta.get("best"),
-                   consecutive_bad=meta.get("consecutive_bad", 0),
+        return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0),
+                   best=meta.get("best"), consecutive_bad=meta.get("consecutive_bad", 0),
                    batch_in_epoch=meta["batch_in_epoch"] if same_world else meta["step_in_epoch"] * accum)

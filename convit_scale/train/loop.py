@@ -1,0 +1,141 @@
+"""The loop: epochs of steps until ``total_steps``, logged at log steps, evaluated and analysed at epoch ends,
+checkpointed periodically, on a stop signal and at the end.
+
+    while state.step < run.total_steps:
+        for micro_batches in steps_of_epoch(run, state):
+            res = train_step(run, state, micro_batches)   # one packed reduction, the non-finite decision
+            log_step(run, state, res, progress)           # host values only at log steps
+            if res.stop: return save_and_stop(run, state)
+        close_epoch(run, state)                          # evaluation, analysis, epoch checkpoint
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import comm, evaluation
+from ..analysis.during_training import epoch_analysis
+from .checkpoint import save_checkpoint
+from .debug import checksum, state_digest
+from .memory import peak_memory_mb
+from .progress import Progress
+from .setup import Run, log
+from .signals import EXIT_REQUEUE
+from .state import TrainState
+from .step import StepResult, steps_of_epoch, train_step
+
+
+def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -> None:
+    """metrics.jsonl (and a log line) at log steps: the only place where the step's host values are written."""
+    cfg, m = run.cfg, state.meters
+    m.images_since_log += cfg.data.global_batch_size
+    m.steps_since_log += 1
+    for record in res.bad_samples:  # every step that has any: one record per replaced sample
+        run.metrics.write({"kind": "bad_sample", "step": state.step, "epoch": state.epoch, **record})
+    if state.step % cfg.log.every_steps == 0 or state.step == run.total_steps:
+        now = time.time()
+        seconds = max(now - m.last_log_time, 1e-9)
+        grad_norm = res.grad_norm if res.grad_norm is not None or res.bad else run.strategy.reported_grad_norm()
+        rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "loss": None if res.bad else res.loss,
+               "lr": res.lr, "images_per_s": m.images_since_log / seconds, "step_time_s": seconds / m.steps_since_log,
+               "grad_norm": grad_norm, "peak_mem_mb": comm.all_gather_object(round(peak_memory_mb(run.ctx.device), 1)),
+               "base_mem_mb": m.base_mem_mb, "setup_peak_mem_mb": m.setup_peak_mem_mb,
+               "skipped_steps": state.skipped_steps, "state_mem_mb": m.state_mem_mb}
+        run.metrics.write(rec)
+        m.last_log_time, m.images_since_log, m.steps_since_log = now, 0, 0
+        progress.log_step(rec, run.total_steps)
+    if cfg.log.debug_digest:
+        digests = comm.all_gather_object(state_digest(run.strategy.optimizer_tensors()))
+        run.metrics.write({"kind": "digest", "step": state.step, "bad": res.bad, "state_digest": digests})
+    progress.advance(state.step)
+
+
+def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
+    """Evaluation and the gating/nonlocality analysis, every ``run.eval_every_epochs`` and at the end (a short
+    epoch, as on a small Table 2 subset, would otherwise spend more on its analysis than on its steps)."""
+    cfg = run.cfg
+    if run.val_loader is None or not ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
+        return
+    run.strategy.train(False)
+    try:
+        results = evaluation.evaluate(run.strategy.forward, run.val_loader, run.ctx.device)
+    finally:
+        run.strategy.train(True)
+    results = state.record_eval(epoch, results)  # final and best top-1/top-5
+    run.metrics.write({"kind": "eval", "step": state.step, "epoch": epoch, **results})
+    log(run.ctx, f"epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} top-5 {results['top5']:.2f} "
+                 f"({results['samples']} images); best top-1 {results['best_top1']:.2f} (epoch {results['best_epoch']})")
+    stats = epoch_analysis(run.strategy, cfg, run.val_loader, run.ctx)
+    if stats is not None:
+        run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
+    state.meters.final.update(results)
+
+
+def _epoch_finished(run: Run, state: TrainState) -> bool:
+    return state.batch_in_epoch // run.accum >= run.steps_per_epoch
+
+
+def close_epoch(run: Run, state: TrainState) -> None:
+    """After an epoch's last step (or on resuming from a checkpoint saved there, before its evaluation): evaluate
+    and analyse it, move to the next epoch, and save the epoch checkpoint (after its evaluation)."""
+    end_of_epoch(run, state, state.epoch)
+    state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+    _periodic_save(run, state, run.cfg.checkpoint.every_epochs, state.epoch, "epoch")
+
+
+def save(run: Run, state: TrainState, reason: str):
+    cfg = run.cfg
+    meta = {**state.to_meta(run.accum, run.ctx.world_size), "reason": reason, "strategy": cfg.parallel.strategy,
+            "model": cfg.model.name, "global_batch_size": cfg.data.global_batch_size, "config": cfg.to_dict(),
+            "time": time.time()}
+    path = save_checkpoint(run.checkpoints, run.strategy, meta, cfg.checkpoint.keep_last)
+    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason})")
+    return path
+
+
+def save_and_stop(run: Run, state: TrainState) -> str:
+    path = save(run, state, "signal")
+    log(run.ctx, f"stop signal: saved {path}; exiting with {EXIT_REQUEUE} to be requeued")
+    run.metrics.write({"kind": "stopped", "step": state.step, "epoch": state.epoch, "checkpoint": str(path)})
+    if run.ctx.is_main:  # for launchers (torchrun) that do not pass the exit status through
+        (run.out / "STOPPED_FOR_REQUEUE").write_text(str(path))
+    comm.barrier()
+    return "stopped"
+
+
+def _periodic_save(run: Run, state: TrainState, every: int | None, count: int, reason: str) -> None:
+    """A periodic checkpoint, never from a state that followed a bad step without a good one after it."""
+    if every and count % every == 0 and state.step < run.total_steps and state.consecutive_bad == 0:
+        save(run, state, reason)
+
+
+def fit(run: Run, state: TrainState) -> str:
+    """Epochs of steps until ``total_steps``; returns "finished", or "stopped" after a stop signal and a save."""
+    cfg = run.cfg
+    run.strategy.train(True)
+    with Progress.for_run(run.ctx.is_main, cfg.log.progress, run.total_steps, state.step) as progress:
+        while state.step < run.total_steps:
+            for micro_batches in steps_of_epoch(run, state):
+                res = train_step(run, state, micro_batches)
+                log_step(run, state, res, progress)
+                if res.stop:
+                    return save_and_stop(run, state)
+                _periodic_save(run, state, cfg.checkpoint.every_steps, state.step, "every_steps")
+            if _epoch_finished(run, state):
+                close_epoch(run, state)
+        if not state.meters.final and run.val_loader is not None:  # max_steps ended mid-epoch: evaluate the end
+            end_of_epoch(run, state, state.epoch if state.batch_in_epoch else state.epoch - 1)
+    _finish(run, state, save(run, state, "end"))
+    return "finished"
+
+
+def _finish(run: Run, state: TrainState, path) -> None:
+    """The end record (final and best evaluation, steps, the end checkpoint) and the teacher's digest check."""
+    final = {**state.meters.final, "step": state.step, "skipped_steps": state.skipped_steps, "checkpoint": str(path)}
+    if run.teacher is not None and run.cfg.log.debug_digest:  # the teacher never trains: same weights as loaded
+        run.metrics.write({"kind": "distill", "step": state.step,
+                           "teacher_checksum_start": state.meters.teacher_checksum_start,
+                           "teacher_checksum_end": checksum(run.teacher), "teacher_in_optimizer": any(
+                               p is q for g in run.strategy.optimizer.param_groups for p in g["params"]
+                               for q in run.teacher.parameters())})
+    run.metrics.write({"kind": "end", **final})

@@ -1,0 +1,169 @@
+"""The checks a run passes before any process starts (``preflight``): each refusal is one line naming the key and
+what is allowed, and nothing is written before them.
+
+Cheap by design (manifest.json and file sizes, no image is read), and run once: by the launching process
+(``convit-scale train``, the demo, ``launch.run_recipe``), or by rank 0 when torchrun, srun or accelerate start
+the ranks directly (``python -m convit_scale.train --recipe``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from ..config import Config, model_options
+from ..data import DataError, read_manifest
+from ..data.imagefolder import imagefolder_samples
+from ..imagetree import PrepError, list_classes
+from ..models import create_model, read_state_dict
+from ..models.weights import check_state_dict, convert_state_dict
+from .checkpoint import check_compatible, latest_checkpoint, read_meta
+from .distill import build_teacher
+
+PROBE_TIMEOUT_S = 10
+"""How long preflight waits for a remote WebDataset location's manifest.json before refusing the URL."""
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that must pass before any worker process starts, each one line naming the key and what is allowed.
+
+    Cheap by design (manifest.json and file sizes, no image is read): the output folder can be written; the data
+    exists in the recipe's format, holds at least one global batch and no more classes than the model has, and
+    every file the manifest lists is there at its recorded size; a remote location answers; ``model.pretrained``
+    matches the model key for key (on the meta device); a checkpoint to resume was written by the same model,
+    strategy and global batch; the teacher loads."""
+    d = cfg.data
+    _check_output_dir(cfg.run.output_dir)
+    for key in ("train_path", "val_path"):
+        loc = getattr(d, key)
+        if key == "train_path" and not loc:
+            raise DataError("data.train_path is empty: point it at prepared shards or an ImageFolder tree")
+        if loc and "{name}" not in loc and not Path(loc).exists():
+            raise DataError(f"data.{key}: {loc} does not exist")
+    for split, key in (("train", "train_path"), ("val", "val_path")):
+        if getattr(d, key):
+            _check_data(cfg, split, key, getattr(d, key))
+    if cfg.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as e:
+            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from e
+    if cfg.model.pretrained:
+        _check_pretrained(cfg.model)
+    if cfg.checkpoint.resume != "none":
+        _check_resume(cfg)
+    if cfg.distill.enabled:
+        build_teacher(cfg)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """run.output_dir is a folder, or can be made one, and a file can be written in it (or its first existing
+    parent): nothing is created here."""
+    out = Path(output_dir)
+    allowed = "allowed: a folder that can be created and written"
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor or "."))
+    if not existing.is_dir():
+        raise ValueError(f"run.output_dir = {output_dir}: {existing} is a file, not a folder; {allowed}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # unnamed, gone when closed
+            pass
+    except OSError as e:
+        raise ValueError(f"run.output_dir = {output_dir}: cannot write in {existing} ({e.strerror}); {allowed}") from e
+
+
+def _probe_remote(key: str, loc: str) -> dict:
+    """A remote WebDataset location's manifest.json within PROBE_TIMEOUT_S: a wrong URL is one line now, not a
+    minute of silence per rank later."""
+    url = loc.format(name="manifest.json")
+    try:
+        if url.startswith("pipe:"):
+            res = subprocess.run(url[len("pipe:"):], shell=True, capture_output=True, timeout=PROBE_TIMEOUT_S)
+            if res.returncode != 0:
+                why = (res.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {res.returncode}"])
+                raise DataError(f"data.{key}: {url} failed ({why[-1]}); allowed: a location whose manifest.json reads")
+            data = res.stdout
+        elif url.startswith(("http://", "https://")):
+            with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as f:
+                data = f.read()
+        else:
+            return read_manifest(loc)
+        return json.loads(data)
+    except subprocess.TimeoutExpired as e:
+        raise DataError(f"data.{key}: {url} gave no answer within {PROBE_TIMEOUT_S} s; allowed: a reachable "
+                        f"location of prepared shards") from e
+    except (OSError, ValueError) as e:  # URLError, a timeout, JSON that is not
+        raise DataError(f"data.{key}: {url} is not readable ({getattr(e, 'reason', e)}); allowed: a reachable "
+                        f"location of prepared shards with manifest.json") from e
+
+
+def _check_data(cfg, split: str, key: str, loc: str) -> None:
+    """The data of one split against the recipe, from manifest.json and file sizes (ImageFolder: the listing)."""
+    d, model = cfg.data, cfg.model
+    if d.format == "imagefolder":
+        root = Path(loc)
+        if not (root / split).is_dir():
+            held = (" (it holds a prepared dataset: set data.format to the manifest's format)"
+                    if (root / "manifest.json").is_file() else "")
+            raise DataError(f"data.{key}: no {split} folder in {root}{held}; allowed: an ImageFolder root with "
+                            f"train/ and val/")
+        try:
+            n_classes = len(list_classes(root / "train"))
+            n = len(imagefolder_samples(root, split, d.subset_fraction)) if split == "train" else None
+        except PrepError as e:
+            raise DataError(f"data.{key}: {e}") from e
+    else:
+        remote = "{name}" in loc
+        manifest = _probe_remote(key, loc) if remote else read_manifest(loc)
+        found = manifest.get("format")
+        if found != d.format:
+            raise DataError(f"data.{key}: {loc} holds {found} data (manifest.json), data.format = {d.format!r}; "
+                            f"allowed: data.format = {found!r}, or {d.format} data made by `convit-scale prep {d.format}`")
+        if split not in manifest.get("splits", {}):
+            raise DataError(f"data.{key}: {loc}: manifest has no {split!r} split; allowed: a prep output with {split}/")
+        info, n_classes = manifest["splits"][split], len(manifest["classes"])
+        prepared_f = manifest.get("options", {}).get("subset_fraction", 1.0)
+        if split == "train" and d.format == "wds" and not math.isclose(prepared_f, d.subset_fraction):
+            raise DataError(f"{loc}: shards hold subset_fraction={prepared_f}, the recipe asks {d.subset_fraction}; "
+                            f"convert with `convit-scale prep wds --subset-fraction {d.subset_fraction}` (WebDataset "
+                            f"subsets are made at conversion)")
+        if split == "train" and d.format == "ffcv":  # the subset is taken at load time: first files of each class
+            n = sum(math.floor(c * d.subset_fraction) for c in info["per_class"].values())
+        else:
+            n = info["num_samples"] if split == "train" else None
+        for name, rec in ([] if remote else info["files"].items()):
+            path = Path(loc) / name
+            if not path.is_file():
+                raise DataError(f"data.{key}: {path} is missing (listed in manifest.json); allowed: the complete "
+                                f"output of `convit-scale prep` (run it again to finish it)")
+            size, recorded = path.stat().st_size, rec.get("bytes")
+            if recorded is not None and size != recorded:
+                raise DataError(f"data.{key}: {path} has {size} bytes, manifest.json records {recorded} (truncated or "
+                                f"changed); allowed: the file prep wrote (check with `convit-scale prep verify {loc}`)")
+    if n_classes > model.num_classes:
+        raise DataError(f"model.num_classes = {model.num_classes} is below the {n_classes} classes of {loc}; allowed: "
+                        f">= {n_classes}")
+    if n is not None and n < d.global_batch_size:
+        raise DataError(f"data.{key}: {loc} holds {n} training images (subset_fraction {d.subset_fraction:g}), fewer "
+                        f"than data.global_batch_size = {d.global_batch_size}: no optimizer step fits in an epoch; "
+                        f"allowed: data.global_batch_size <= {n}")
+
+
+def _check_pretrained(m) -> None:
+    """model.pretrained holds the model's keys and shapes, checked against a model on the meta device."""
+    model = create_model(m.name, device="meta", **model_options(m))
+    sd = convert_state_dict(read_state_dict(m.pretrained), model)
+    check_state_dict(sd, model, f"model.pretrained {m.pretrained} ({m.name})")
+
+
+def _check_resume(cfg) -> None:
+    """The checkpoint that checkpoint.resume picks was written by this recipe's model, strategy and global batch
+    (the same check the engine makes, here before any process starts or anything is written)."""
+    resume = cfg.checkpoint.resume
+    path = latest_checkpoint(Path(cfg.run.output_dir) / "checkpoints") if resume == "auto" else Path(resume)
+    if path is not None:
+        check_compatible(path, read_meta(path), {"strategy": cfg.parallel.strategy, "model": cfg.model.name,
+                                                 "global_batch_size": cfg.data.global_batch_size})

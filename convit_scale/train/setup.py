@@ -1,0 +1,184 @@
+"""Set-up of one rank's run, in order: global batch -> resume point (checked before anything is written) ->
+loaders -> model -> strategy -> loss (and teacher) -> resume -> ``Run``, which the loop only reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
+
+from ..config import Config, model_options
+from ..data import DataError, Loader, LoaderSpec, build_loader
+from ..data.device_augment import DeviceAugmentConfig, augment_on_device
+from ..data.device_augment import config_of as device_augment_config
+from ..data.transforms import build_mixup
+from ..metrics import MetricsWriter
+from ..models import MODELS, create_model, load_pretrained
+from ..models.weights import check_state_dict, convert_state_dict, read_state_dict
+from ..parallel import Strategy, build_strategy, preload
+from .checkpoint import check_compatible, choose_checkpoint, load_checkpoint, read_meta
+from .debug import Faults, checksum
+from .distill import DistillLoss, check_teacher, load_teacher
+from .distributed import DistContext, check_world
+from .memory import peak_memory_mb, reset_peak_memory
+from .optim import build_optimizer
+from .schedule import peak_lr
+from .signals import StopSignal
+from .state import TrainState
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything set up once; the loop reads it and never changes it (``TrainState`` is what changes)."""
+
+    cfg: Config
+    ctx: DistContext
+    out: Path
+    micro: int
+    """Images per rank per forward."""
+    accum: int
+    """Micro-batches per optimizer step."""
+    lr: float
+    """The peak learning rate (base_lr scaled by the global batch)."""
+    steps_per_epoch: int
+    total_steps: int
+    train_loader: Loader
+    val_loader: Loader | None
+    strategy: Strategy
+    criterion: Callable[[torch.Tensor, torch.Tensor | tuple, torch.Tensor], torch.Tensor]
+    """(images, logits, targets) -> loss; the images feed a distillation teacher."""
+    mixup: Callable | None
+    metrics: MetricsWriter
+    stop: StopSignal
+    faults: Faults | None = None
+    teacher: torch.nn.Module | None = None
+    device_augment: DeviceAugmentConfig | None = None
+    """Set: train batches are uint8 crops, augmented on the device from each sample's seed."""
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
+
+
+def build_model(cfg: Config, meta: bool = False):
+    """The model of the recipe (published weights loaded, or checked now and loaded into the shards after sharding
+    when built on the meta device). Built whole, its initial weights are the same on every rank and world size
+    (seeded here). With ``parallel.meta_init`` each rank initialises its own shards after sharding (FSDP2's
+    DTensors draw from each rank's generator, or on CUDA from DTensor's random-number tracker), so the initial
+    weights depend on the world size and device: the same seed gives the same run only on the same layout."""
+    torch.manual_seed(cfg.run.seed)
+    model = create_model(cfg.model.name, device="meta" if meta else None, **model_options(cfg.model))
+    if cfg.model.pretrained and meta:
+        check_state_dict(convert_state_dict(read_state_dict(cfg.model.pretrained), model), model, cfg.model.pretrained)
+    elif cfg.model.pretrained:
+        load_pretrained(model, cfg.model.pretrained)
+    return model
+
+
+def _loss_fn(cfg: Config):
+    if cfg.data.mixup > 0 or cfg.data.cutmix > 0:
+        return SoftTargetCrossEntropy()  # targets from Mixup already carry the label smoothing
+    return lambda logits, y: F.cross_entropy(logits, y, label_smoothing=cfg.data.label_smoothing)
+
+
+def _criterion(cfg: Config, device: torch.device):
+    """(criterion(x, logits, target), teacher or None)."""
+    if not cfg.distill.enabled:
+        base_loss = _loss_fn(cfg)
+        return (lambda x, logits, y: base_loss(logits, y)), None
+    teacher = load_teacher(cfg, device)
+    return DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision), teacher
+
+
+def _loaders(cfg: Config, ctx: DistContext, micro: int) -> tuple[Loader, Loader | None]:
+    img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
+    pin, on_device = ctx.device.type == "cuda", augment_on_device(cfg.data, ctx.device)
+
+    def spec(split: str, batch: int) -> LoaderSpec:
+        return LoaderSpec(split, img_size, batch, ctx.world_size, ctx.rank, cfg.run.seed, pin_memory=pin,
+                          augment_on_device=on_device)
+
+    train_loader = build_loader(cfg.data, spec("train", micro))
+    val_loader = build_loader(cfg.data, spec("val", cfg.data.eval_batch_size)) if cfg.data.val_path else None
+    return train_loader, val_loader
+
+
+def _strategy(cfg: Config, ctx: DistContext, micro: int, accum: int, lr: float) -> tuple[Strategy, float]:
+    preload(cfg.parallel.strategy)  # library code belongs to the baseline, not to the model's memory
+    base_mem = round(peak_memory_mb(ctx.device), 1)  # before the model: what the process costs without it
+    model = build_model(cfg, meta=cfg.parallel.meta_init)
+    strategy = build_strategy(model, cfg.parallel, ctx.device, ctx.world_size, cfg.optim.grad_clip)
+    strategy.setup(lambda m: build_optimizer(m, cfg.optim, lr, ctx.device), micro, accum)
+    if cfg.parallel.meta_init and cfg.model.pretrained:
+        strategy.load_full_state_dict(convert_state_dict(read_state_dict(cfg.model.pretrained), strategy.module))
+    return strategy, base_mem
+
+
+def _resume_point(cfg: Config, out: Path, world_size: int) -> Path | None:
+    """The checkpoint to resume from (rank 0 chooses, every rank gets the same), checked against the recipe before
+    anything is written into the run folder."""
+    path = choose_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
+    if path is not None:
+        check_compatible(path, read_meta(path), {"strategy": cfg.parallel.strategy, "model": cfg.model.name,
+                                                 "global_batch_size": cfg.data.global_batch_size,
+                                                 "world_size": world_size})
+    return path
+
+
+def _schedule_length(cfg: Config, train_loader: Loader, accum: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total steps of the run)."""
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise DataError(f"{train_loader.num_samples} training images give no full global batch of "
+                        f"{cfg.data.global_batch_size} per epoch")
+    total_steps = cfg.schedule.epochs * steps_per_epoch
+    if cfg.schedule.max_steps is not None:
+        total_steps = min(total_steps, cfg.schedule.max_steps)
+    return steps_per_epoch, total_steps
+
+
+def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainState]:
+    out = Path(cfg.run.output_dir)
+    micro, accum = check_world(cfg, ctx.world_size)
+    lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
+    ckpt = _resume_point(cfg, out, ctx.world_size)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(cfg.to_yaml())
+        (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
+    log(ctx, f"{cfg.model.name} | strategy {cfg.parallel.strategy} | {ctx.world_size} rank(s) on {ctx.device.type} "
+             f"({ctx.backend}, launched by {ctx.launcher}) | global batch {cfg.data.global_batch_size} = micro "
+             f"{micro} x accumulation {accum} x world {ctx.world_size} | lr {lr:.3g} = {cfg.optim.base_lr:g} x "
+             f"{cfg.data.global_batch_size}/{cfg.optim.lr_reference_batch}")
+    train_loader, val_loader = _loaders(cfg, ctx, micro)
+    steps_per_epoch, total_steps = _schedule_length(cfg, train_loader, accum)
+    strategy, base_mem = _strategy(cfg, ctx, micro, accum, lr)
+    criterion, teacher = _criterion(cfg, ctx.device)
+    state = TrainState()
+    if ckpt is not None:
+        state = TrainState.from_meta(load_checkpoint(ckpt, strategy), accum, ctx.world_size)
+        log(ctx, f"resumed from {ckpt} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
+    on_device = train_loader.spec.augment_on_device
+    run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
+              criterion, build_mixup(cfg.data, cfg.model.num_classes),
+              MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
+              faults=Faults.from_env(ctx.rank), teacher=teacher,
+              device_augment=device_augment_config(cfg.data) if on_device else None)
+    if teacher is not None:
+        check_teacher(teacher, cfg, val_loader, ctx)
+    m = state.meters
+    m.base_mem_mb, m.setup_peak_mem_mb = base_mem, round(peak_memory_mb(ctx.device), 1)
+    reset_peak_memory(ctx.device)
+    if teacher is not None and cfg.log.debug_digest:
+        m.teacher_checksum_start = checksum(teacher)
+    return run, state
+
+
+def log(ctx: DistContext, msg: str) -> None:
+    """One line of the run's log, on rank 0."""
+    if ctx.is_main:
+        print(f"[convit-scale] {msg}", flush=True)

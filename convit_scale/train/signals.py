@@ -1,0 +1,29 @@
+"""Stop signals: Slurm's pre-timeout signal, a preemption, scancel."""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_REQUEUE = 75
+"""Exit status of a run stopped by SIGUSR1/SIGTERM after saving: the Slurm scripts requeue on it."""
+
+
+class StopSignal:
+    """Set by SIGUSR1 / SIGTERM; read once per step, inside the step's one reduction, so that every rank stops
+    after the same step."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before (a library caller keeps its own)."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None

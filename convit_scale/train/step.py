@@ -1,0 +1,150 @@
+"""One optimizer step: the micro-batches' forward and backward, one packed all-reduce read by the host once, and
+the decision (update, or skip a bad step) before anything touches the weights."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .. import comm
+from ..data import Batch, DataError
+from ..data.device_augment import augment_batch
+from ..data.order import step_seed
+from ..data.transforms import seed_all
+from .memory import tensor_memory_mb
+from .schedule import lr_at
+from .setup import Run
+from .state import TrainState
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class StepTotals(NamedTuple):
+    """The step's quantities summed over its micro-batches and over the ranks."""
+
+    loss_sum: float
+    """Sum of the micro-batch losses."""
+    bad_loss: float
+    """Micro-batches whose loss was not finite."""
+    grad_sq: float
+    """The squared gradient norm (``Strategy.grad_square_sum``): non-finite for a bad gradient."""
+    stop: float
+    """Ranks that received a stop signal."""
+    bad_samples: float
+    """Samples the loaders replaced (unreadable or undecodable)."""
+
+
+class StepStats:
+    """The step's one packed all-reduce: a float64 vector on the device with a named slot per ``StepTotals`` field,
+    filled without host synchronisation and reduced and read once."""
+
+    def __init__(self, device: torch.device):
+        self.vector = torch.zeros(len(StepTotals._fields), dtype=torch.float64, device=device)
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        self.vector[StepTotals._fields.index(name)] += value
+
+    def reduce(self) -> StepTotals:
+        """The sums over ranks: the step's one all-reduce and its one host read."""
+        return StepTotals(*comm.all_reduce(self.vector).tolist())
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean over micro-batches and ranks."""
+    grad_norm: float | None
+    """The global gradient norm before clipping (None for a bad step, or where DeepSpeed holds it)."""
+    bad: bool
+    stop: bool
+    lr: float
+    bad_samples: list = field(default_factory=list)
+    """Every rank's replaced samples of the step (``Batch.bad``)."""
+
+
+def steps_of_epoch(run: Run, state: TrainState):
+    """The micro-batches of each remaining step of the current epoch, one step at a time; the loader's epoch is
+    closed when the epoch ends or the loop leaves it early."""
+    batches = run.train_loader.epoch(state.epoch, start_batch=state.batch_in_epoch)
+    try:
+        while state.batch_in_epoch // run.accum < run.steps_per_epoch and state.step < run.total_steps:
+            yield itertools.islice(batches, run.accum)
+    finally:
+        batches.close()
+
+
+def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
+    """Forward/backward over the step's micro-batches, then one packed all-reduce (``StepTotals``) read by the host
+    once: a bad step (non-finite loss or gradient) is skipped on every rank alike before any update, and the
+    replaced samples are gathered only when some rank has any."""
+    cfg, ctx, strategy = run.cfg, run.ctx, run.strategy
+    seed_all(step_seed(cfg.run.seed, state.epoch, state.step, ctx.rank))  # Mixup, drop-path
+    lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
+    strategy.set_lr(lr)
+    stats, bad_samples, taken = StepStats(ctx.device), [], 0
+    for m, batch in enumerate(micro_batches):
+        bad_samples.extend(batch.bad)
+        with strategy.micro_batch(is_last_micro=m == run.accum - 1):
+            _micro_step(run, state, batch, m, stats)
+        state.batch_in_epoch, taken = state.batch_in_epoch + 1, m + 1
+    if taken != run.accum:
+        raise DataError(f"the training loader ended {run.accum - taken} micro-batch(es) early in epoch {state.epoch} "
+                        f"(batch {state.batch_in_epoch} of {len(run.train_loader)})")
+    if cfg.log.debug_memory and state.meters.state_mem_mb is None and state.step > 0:
+        # once, with gradients accumulated and the optimizer moments in place (a step was taken)
+        state.meters.state_mem_mb = comm.all_gather_object(round(tensor_memory_mb(ctx.device, strategy.module), 1))
+    stats.add("grad_sq", strategy.grad_square_sum())
+    stats.add("stop", float(run.stop.requested))
+    stats.add("bad_samples", float(len(bad_samples)))  # gathered below only when some rank has any
+    totals = stats.reduce()
+    if totals.bad_samples:
+        bad_samples = [{**r, "rank": rank} for rank, rs in enumerate(comm.all_gather_object(bad_samples)) for r in rs]
+    # with a loss scaler (fp16) an overflowing gradient is its business, not a bad step; a non-finite loss always is
+    bad_grad = not strategy.scales_loss and not math.isfinite(totals.grad_sq)
+    norm = math.sqrt(totals.grad_sq) if strategy.norm_is_global and math.isfinite(totals.grad_sq) else None
+    if totals.bad_loss or bad_grad:
+        _bad_step(run, state, "loss" if totals.bad_loss else "gradient norm")
+    else:
+        strategy.step(norm)
+        state.consecutive_bad = 0
+    state.step += 1
+    bad = bool(totals.bad_loss or bad_grad)
+    return StepResult(totals.loss_sum / (run.accum * ctx.world_size), None if bad else norm, bad, totals.stop > 0,
+                      lr, bad_samples)
+
+
+def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepStats) -> None:
+    """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
+    device = run.ctx.device
+    x, y = batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+    if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
+        x = augment_batch(x, batch.seeds, run.device_augment)
+    target = y
+    if run.mixup is not None:
+        x, target = run.mixup(x, y)
+    out = run.strategy.forward(x)  # a (class, distillation) pair with a distillation token
+    logits = tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+    loss = run.criterion(x, logits, target)
+    if run.faults is not None:
+        loss = run.faults.apply(loss, state.step, m)
+    stats.add("loss_sum", loss.detach())
+    stats.add("bad_loss", (~torch.isfinite(loss.detach())).double())
+    run.strategy.backward(loss, is_last_micro=m == run.accum - 1, grad_accum=run.accum)
+
+
+def _bad_step(run: Run, state: TrainState, what: str) -> None:
+    if run.cfg.run.nonfinite_policy == "stop":
+        raise NonFiniteLoss(f"non-finite {what} at step {state.step} (epoch {state.epoch}); stopped without "
+                            f"saving (run.nonfinite_policy = 'stop'); the last checkpoint is intact")
+    run.strategy.skip_step()
+    state.skipped_steps += 1
+    state.consecutive_bad += 1
+    if state.consecutive_bad > run.cfg.run.max_skipped_steps:
+        raise NonFiniteLoss(f"{state.consecutive_bad} consecutive non-finite steps (run.max_skipped_steps = "
+                            f"{run.cfg.run.max_skipped_steps}); stopped without saving")

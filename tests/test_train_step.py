@@ -1,0 +1,79 @@
+"""convit_scale/train/step.py: what one optimizer step does, in this process (a one-process group).
+
+On a GPU every host read of a device value and every tensor built on the device from host data is a stream
+synchronisation; a step of the package's own code makes exactly one read (the packed reduction's decision) and
+builds nothing from host data. The CPU cannot tell host from device tensors, so this counts the calls themselves,
+made from the package's step and strategy code (``make gpu-test`` runs a step under CUDA's sync debug mode)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import convit_scale
+from conftest import records, tiny_recipe, train_here
+from convit_scale.train import loop
+
+PKG = Path(convit_scale.__file__).parent
+WATCHED = (PKG / "train" / "step.py", PKG / "parallel")
+HOST_READS = {"item", "tolist", "__float__", "__int__", "__bool__", "numpy"}
+FROM_HOST = {"tensor", "as_tensor", "asarray"}
+TORCH_DISPATCH = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_device.py")
+
+
+class StepCalls(TorchFunctionMode):
+    """Host reads and tensors made from host data on an explicit device, called from ``WATCHED`` files."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.made = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS or (name in FROM_HOST and "device" in kwargs):
+            frame = sys._getframe(1)  # the caller, past torch's own dispatch of the override
+            while frame is not None and frame.f_code.co_filename.endswith(TORCH_DISPATCH):
+                frame = frame.f_back
+            where = Path(frame.f_code.co_filename) if frame is not None else None
+            if where is not None and any(where == w or w in where.parents for w in WATCHED):
+                (self.reads if name in HOST_READS else self.made).append(f"{name} at {where.name}:{frame.f_lineno}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2"])
+def test_a_step_reads_the_device_once_and_builds_nothing_from_host_data(strategy, fm_tree, tmp_path, monkeypatch):
+    seen = []
+
+    def watched_step(run, state, micro_batches):
+        with StepCalls() as calls:
+            result = train_step(run, state, micro_batches)
+        seen.append(calls)
+        return result
+
+    train_step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", watched_step)
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out",
+                    data={"micro_batch_size": 16, "val_path": "", "augment_on": "device"},
+                    parallel={"strategy": strategy}, schedule={"max_steps": 2})
+    assert train_here(r) == 0
+    assert len(seen) == 2 and len(records(tmp_path / "out")) == 2
+    for calls in seen:
+        assert calls.made == [], calls.made
+        assert [r.split(" at ")[0] for r in calls.reads] == ["tolist"], calls.reads
+
+
+def test_step_stats_are_named_slots_of_one_reduction():
+    from convit_scale.train.step import StepStats, StepTotals
+
+    stats = StepStats(torch.device("cpu"))
+    stats.add("loss_sum", torch.tensor(2.5))
+    stats.add("loss_sum", 0.5)
+    stats.add("stop", 1.0)
+    totals = stats.reduce()  # no process group: the identity
+    assert isinstance(totals, StepTotals) and totals.loss_sum == 3.0 and totals.stop == 1.0
+    assert totals.bad_loss == totals.grad_sq == totals.bad_samples == 0.0
