@@ -82,6 +82,27 @@ class ModelConfig:
     pretrained: str | None = None
     """Local file of published weights to start from (.pth or .safetensors)."""
 
+    def validate(self, fail) -> None:
+        from .models.registry import MODELS
+
+        if self.name not in MODELS:
+            fail("model.name", self.name, "known models: " + ", ".join(MODELS))
+        spec = MODELS[self.name]
+        if self.num_classes < 1:
+            fail("model.num_classes", self.num_classes, "must be >= 1")
+        patch = spec.patch_size if self.patch_size is None else self.patch_size
+        if patch <= 0:
+            fail("model.patch_size", self.patch_size, "must be a positive number of pixels")
+        size = spec.img_size if self.img_size is None else self.img_size
+        if size <= 0 or size % patch:
+            key, value = (("model.img_size", self.img_size) if self.img_size is not None
+                          else ("model.patch_size", self.patch_size))
+            fail(key, value, f"the image size ({size}) must be a positive multiple of the patch size ({patch})")
+        if self.local_up_to_layer is not None and not 0 <= self.local_up_to_layer < spec.depth:
+            fail("model.local_up_to_layer", self.local_up_to_layer, f"must be in [0, {spec.depth - 1}]")
+        if not 0.0 <= self.drop_path_rate < 1.0:
+            fail("model.drop_path_rate", self.drop_path_rate, "must be in [0, 1)")
+
 
 @dataclass
 class DataConfig:
@@ -136,6 +157,40 @@ class DataConfig:
     augment_on: Literal["auto", "device", "cpu"] = "auto"
     """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else cpu."""
 
+    def validate(self, fail) -> None:
+        for key in ("global_batch_size", "eval_batch_size", "repeated_aug"):
+            if getattr(self, key) < 1:
+                fail(f"data.{key}", getattr(self, key), "must be >= 1")
+        if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.global_batch_size:
+            fail("data.micro_batch_size", self.micro_batch_size,
+                 f"must be in [1, global_batch_size={self.global_batch_size}]")
+        if self.num_workers < 0:
+            fail("data.num_workers", self.num_workers, "must be >= 0")
+        if not 0.0 < self.subset_fraction <= 1.0:
+            fail("data.subset_fraction", self.subset_fraction, "must be in (0, 1]")
+        for key in ("hflip", "reprob", "mixup_prob", "mixup_switch_prob"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                fail(f"data.{key}", getattr(self, key), "a probability in [0, 1]")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            fail("data.label_smoothing", self.label_smoothing, "must be in [0, 1)")
+        if self.mixup < 0 or self.cutmix < 0 or self.color_jitter < 0:
+            fail("data.mixup/cutmix/color_jitter", (self.mixup, self.cutmix, self.color_jitter), "must be >= 0")
+        if not 0.0 < self.crop_scale[0] <= self.crop_scale[1] <= 1.0:
+            fail("data.crop_scale", list(self.crop_scale), "[min, max] with 0 < min <= max <= 1")
+        if not 0.0 < self.eval_crop_ratio <= 1.0:
+            fail("data.eval_crop_ratio", self.eval_crop_ratio, "must be in (0, 1]")
+        for key in ("open_retries", "max_bad_samples"):
+            if getattr(self, key) < 0:
+                fail(f"data.{key}", getattr(self, key), "must be >= 0")
+        if not self.open_retry_backoff_s > 0:
+            fail("data.open_retry_backoff_s", self.open_retry_backoff_s, "must be > 0")
+        if self.rand_augment is not None and not self.rand_augment.startswith("rand"):
+            fail("data.rand_augment", self.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
+        if self.augment_on == "device":
+            reason = unsupported_on_device(self)
+            if reason is not None:
+                fail("data.augment_on", "device", reason)
+
 
 @dataclass
 class OptimConfig:
@@ -152,6 +207,18 @@ class OptimConfig:
     grad_clip: float | None = None
     """Clip the global gradient norm to this value; None = no clipping (the paper)."""
 
+    def validate(self, fail) -> None:
+        if self.base_lr <= 0:
+            fail("optim.base_lr", self.base_lr, "must be > 0")
+        if self.lr_reference_batch < 1:
+            fail("optim.lr_reference_batch", self.lr_reference_batch, "must be >= 1")
+        if self.weight_decay < 0:
+            fail("optim.weight_decay", self.weight_decay, "must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            fail("optim.betas", list(self.betas), "each in [0, 1)")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            fail("optim.grad_clip", self.grad_clip, "must be > 0, or null for no clipping")
+
 
 @dataclass
 class ScheduleConfig:
@@ -165,6 +232,16 @@ class ScheduleConfig:
     """Cosine schedule floor."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (short runs and tests); the schedule still spans `epochs`."""
+
+    def validate(self, fail) -> None:
+        if self.epochs < 1:
+            fail("schedule.epochs", self.epochs, "must be >= 1")
+        if not 0 <= self.warmup_epochs < self.epochs:
+            fail("schedule.warmup_epochs", self.warmup_epochs, f"must be in [0, epochs={self.epochs})")
+        if self.max_steps is not None and self.max_steps < 1:
+            fail("schedule.max_steps", self.max_steps, "must be >= 1, or null")
+        if self.min_lr < 0 or self.warmup_lr < 0:
+            fail("schedule.min_lr/warmup_lr", (self.min_lr, self.warmup_lr), "must be >= 0")
 
 
 @dataclass
@@ -202,6 +279,39 @@ class ParallelConfig:
     timeout_s: int = 600
     """Collective timeout: a dead rank makes the others fail after at most this long."""
 
+    def validate(self, fail) -> None:
+        zero, any_zero = "needs parallel.strategy zero3", "needs parallel.strategy zero1, zero2 or zero3"
+        if self.hsdp_replicas < 1:
+            fail("parallel.hsdp_replicas", self.hsdp_replicas, "must be >= 1")
+        if self.hsdp_replicas > 1 and self.strategy != "fsdp2":
+            fail("parallel.hsdp_replicas", self.hsdp_replicas, "HSDP needs parallel.strategy = 'fsdp2'")
+        if self.zero_offload and not self.strategy.startswith("zero"):
+            fail("parallel.zero_offload", True, any_zero)
+        if self.zero_bucket_elements is not None and not self.strategy.startswith("zero"):
+            fail("parallel.zero_bucket_elements", self.zero_bucket_elements, any_zero)
+        if self.zero_bucket_elements is not None and self.zero_bucket_elements < 1:
+            fail("parallel.zero_bucket_elements", self.zero_bucket_elements, "must be >= 1, or null (sized from the model)")
+        if self.zero_overlap_comm is not None and not self.strategy.startswith("zero"):
+            fail("parallel.zero_overlap_comm", self.zero_overlap_comm, any_zero)
+        for key in ("zero_param_persistence_threshold", "zero_prefetch_bucket_elements", "zero_max_live_parameters",
+                    "zero_max_reuse_distance"):
+            value = getattr(self, key)
+            if value is not None and self.strategy != "zero3":
+                fail(f"parallel.{key}", value, zero)
+            if value is not None and value < 0:
+                fail(f"parallel.{key}", value, "must be >= 0, or null (DeepSpeed's value on CUDA, sized from the model "
+                     "on CPU)")
+        if self.compile and self.strategy.startswith("zero"):
+            fail("parallel.compile", True, "is supported with ddp and fsdp2 (DeepSpeed's ZeRO-3 linear does not trace "
+                 "under torch.compile); set it false for zero1/2/3")
+        if self.precision == "fp16" and self.strategy == "fsdp2":
+            fail("parallel.precision", "fp16", "fsdp2 trains in fp32 or bf16 (no sharded loss scaling here); use bf16, "
+                 "or ddp / zero1/2/3 for fp16")
+        if self.meta_init and self.strategy != "fsdp2":
+            fail("parallel.meta_init", True, "needs parallel.strategy = 'fsdp2'")
+        if self.timeout_s < 10:
+            fail("parallel.timeout_s", self.timeout_s, "must be >= 10")
+
 
 @dataclass
 class DistillConfig:
@@ -221,6 +331,17 @@ class DistillConfig:
     """Evaluate the teacher on up to 1,000 validation images at start-up and refuse to train below this top-1
     (a wrong or weaker teacher file would silently move every Table 4 row); None = no check."""
 
+    def validate(self, fail) -> None:
+        if self.enabled and not self.teacher_checkpoint:
+            fail("distill.teacher_checkpoint", self.teacher_checkpoint,
+                 "a local teacher weights file is required when distill.enabled")
+        if not 0.0 <= self.alpha <= 1.0:
+            fail("distill.alpha", self.alpha, "must be in [0, 1]")
+        if self.tau <= 0:
+            fail("distill.tau", self.tau, "must be > 0")
+        if self.teacher_min_top1 is not None and not 0.0 <= self.teacher_min_top1 <= 100.0:
+            fail("distill.teacher_min_top1", self.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
+
 
 @dataclass
 class CheckpointConfig:
@@ -232,6 +353,14 @@ class CheckpointConfig:
     """Keep the newest K complete checkpoints."""
     resume: str = "auto"
     """'auto' = newest complete checkpoint in output_dir/checkpoints if any, 'none', or a path."""
+
+    def validate(self, fail) -> None:
+        if self.keep_last < 1:
+            fail("checkpoint.keep_last", self.keep_last, "must be >= 1")
+        if self.every_epochs < 1:
+            fail("checkpoint.every_epochs", self.every_epochs, "must be >= 1")
+        if self.every_steps is not None and self.every_steps < 1:
+            fail("checkpoint.every_steps", self.every_steps, "must be >= 1, or null")
 
 
 @dataclass
@@ -250,6 +379,12 @@ class LogConfig:
     debug_digest: bool = False
     """Record a digest of weights and optimizer state per rank after every step, and the teacher's checksums."""
 
+    def validate(self, fail) -> None:
+        if self.every_steps < 1:
+            fail("log.every_steps", self.every_steps, "must be >= 1")
+        if self.analysis_images < 0:
+            fail("log.analysis_images", self.analysis_images, "must be >= 0 (0 turns the analysis off)")
+
 
 @dataclass
 class RunConfig:
@@ -264,6 +399,10 @@ class RunConfig:
     max_skipped_steps: int = 10
     """With 'skip': stop after this many consecutive non-finite steps."""
 
+    def validate(self, fail) -> None:
+        if self.eval_every_epochs < 1:
+            fail("run.eval_every_epochs", self.eval_every_epochs, "must be >= 1")
+
 
 @dataclass
 class PaperConfig:
@@ -276,6 +415,9 @@ class PaperConfig:
     compare_with: Literal["best_top1", "top1"] = "best_top1"
     """The run's number to set beside it: the best epoch's top-1 (what DeiT's and ConViT's scripts print as
     max_accuracy) or the final epoch's; metrics.jsonl and the end of the run carry both."""
+
+    def validate(self, fail) -> None:
+        """Nothing to check beyond the types: the paper's numbers are for reading."""
 
 
 @dataclass
@@ -290,6 +432,20 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
     paper: PaperConfig = field(default_factory=PaperConfig)
+
+    def validate(self, source: str = "<config>") -> None:
+        """Every section's own checks, then the few that span sections: each refusal names the key and the file."""
+
+        def fail(key: str, value, allowed: str):
+            raise ConfigError(f"{source}: {key} = {value!r} is not allowed; {allowed}")
+
+        for key, value in _float_fields(self):  # 5e400 parses as inf, .nan as NaN: a run would train on them
+            if not math.isfinite(value):
+                fail(key, value, "must be a finite number")
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(fail)
+        if self.model.distill_token and not self.distill.enabled:
+            fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
@@ -477,7 +633,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if overrides:
         source += " (with overrides " + " ".join(overrides) + ")"
     cfg = _build(Config, _yaml_numbers(data), "", source)
-    validate(cfg, source)
+    cfg.validate(source)
     return cfg
 
 
@@ -498,136 +654,6 @@ def _yaml_numbers(obj):
         except ValueError:
             pass
     return obj
-
-
-def validate(cfg: Config, source: str = "<config>") -> None:
-    """Value checks that types cannot express."""
-    from .models.registry import MODELS
-
-    def fail(key: str, value, allowed: str):
-        raise ConfigError(f"{source}: {key} = {value!r} is not allowed; {allowed}")
-
-    for key, value in _float_fields(cfg):  # 5e400 parses as inf, .nan as NaN: a run would train on them
-        if not math.isfinite(value):
-            fail(key, value, "must be a finite number")
-    m, d, o, s, p, kd = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.parallel, cfg.distill
-    if m.name not in MODELS:
-        fail("model.name", m.name, "known models: " + ", ".join(MODELS))
-    spec = MODELS[m.name]
-    if m.num_classes < 1:
-        fail("model.num_classes", m.num_classes, "must be >= 1")
-    patch = spec.patch_size if m.patch_size is None else m.patch_size
-    if patch <= 0:
-        fail("model.patch_size", m.patch_size, "must be a positive number of pixels")
-    size = spec.img_size if m.img_size is None else m.img_size
-    if size <= 0 or size % patch:
-        key, value = ("model.img_size", m.img_size) if m.img_size is not None else ("model.patch_size", m.patch_size)
-        fail(key, value, f"the image size ({size}) must be a positive multiple of the patch size ({patch})")
-    if m.local_up_to_layer is not None and not 0 <= m.local_up_to_layer < spec.depth:
-        fail("model.local_up_to_layer", m.local_up_to_layer, f"must be in [0, {spec.depth - 1}]")
-    if not 0.0 <= m.drop_path_rate < 1.0:
-        fail("model.drop_path_rate", m.drop_path_rate, "must be in [0, 1)")
-    for key in ("global_batch_size", "eval_batch_size", "repeated_aug"):
-        if getattr(d, key) < 1:
-            fail(f"data.{key}", getattr(d, key), "must be >= 1")
-    if d.micro_batch_size is not None and not 1 <= d.micro_batch_size <= d.global_batch_size:
-        fail("data.micro_batch_size", d.micro_batch_size, f"must be in [1, global_batch_size={d.global_batch_size}]")
-    if d.num_workers < 0:
-        fail("data.num_workers", d.num_workers, "must be >= 0")
-    if not 0.0 < d.subset_fraction <= 1.0:
-        fail("data.subset_fraction", d.subset_fraction, "must be in (0, 1]")
-    for key in ("hflip", "reprob", "mixup_prob", "mixup_switch_prob"):
-        if not 0.0 <= getattr(d, key) <= 1.0:
-            fail(f"data.{key}", getattr(d, key), "a probability in [0, 1]")
-    if not 0.0 <= d.label_smoothing < 1.0:
-        fail("data.label_smoothing", d.label_smoothing, "must be in [0, 1)")
-    if d.mixup < 0 or d.cutmix < 0 or d.color_jitter < 0:
-        fail("data.mixup/cutmix/color_jitter", (d.mixup, d.cutmix, d.color_jitter), "must be >= 0")
-    if not 0.0 < d.crop_scale[0] <= d.crop_scale[1] <= 1.0:
-        fail("data.crop_scale", list(d.crop_scale), "[min, max] with 0 < min <= max <= 1")
-    if not 0.0 < d.eval_crop_ratio <= 1.0:
-        fail("data.eval_crop_ratio", d.eval_crop_ratio, "must be in (0, 1]")
-    for key in ("open_retries", "max_bad_samples"):
-        if getattr(d, key) < 0:
-            fail(f"data.{key}", getattr(d, key), "must be >= 0")
-    if not d.open_retry_backoff_s > 0:
-        fail("data.open_retry_backoff_s", d.open_retry_backoff_s, "must be > 0")
-    if d.rand_augment is not None and not d.rand_augment.startswith("rand"):
-        fail("data.rand_augment", d.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
-    if d.augment_on == "device":
-        reason = unsupported_on_device(d)
-        if reason is not None:
-            fail("data.augment_on", "device", reason)
-    if o.base_lr <= 0:
-        fail("optim.base_lr", o.base_lr, "must be > 0")
-    if o.lr_reference_batch < 1:
-        fail("optim.lr_reference_batch", o.lr_reference_batch, "must be >= 1")
-    if o.weight_decay < 0:
-        fail("optim.weight_decay", o.weight_decay, "must be >= 0")
-    if not all(0.0 <= b < 1.0 for b in o.betas):
-        fail("optim.betas", list(o.betas), "each in [0, 1)")
-    if o.grad_clip is not None and o.grad_clip <= 0:
-        fail("optim.grad_clip", o.grad_clip, "must be > 0, or null for no clipping")
-    if s.epochs < 1:
-        fail("schedule.epochs", s.epochs, "must be >= 1")
-    if not 0 <= s.warmup_epochs < s.epochs:
-        fail("schedule.warmup_epochs", s.warmup_epochs, f"must be in [0, epochs={s.epochs})")
-    if s.max_steps is not None and s.max_steps < 1:
-        fail("schedule.max_steps", s.max_steps, "must be >= 1, or null")
-    if s.min_lr < 0 or s.warmup_lr < 0:
-        fail("schedule.min_lr/warmup_lr", (s.min_lr, s.warmup_lr), "must be >= 0")
-    if p.hsdp_replicas < 1:
-        fail("parallel.hsdp_replicas", p.hsdp_replicas, "must be >= 1")
-    if p.hsdp_replicas > 1 and p.strategy != "fsdp2":
-        fail("parallel.hsdp_replicas", p.hsdp_replicas, "HSDP needs parallel.strategy = 'fsdp2'")
-    if p.zero_offload and not p.strategy.startswith("zero"):
-        fail("parallel.zero_offload", True, "needs parallel.strategy zero1, zero2 or zero3")
-    if p.zero_bucket_elements is not None and not p.strategy.startswith("zero"):
-        fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "needs parallel.strategy zero1, zero2 or zero3")
-    if p.zero_bucket_elements is not None and p.zero_bucket_elements < 1:
-        fail("parallel.zero_bucket_elements", p.zero_bucket_elements, "must be >= 1, or null (sized from the model)")
-    for key in ("zero_overlap_comm", "zero_param_persistence_threshold", "zero_prefetch_bucket_elements",
-                "zero_max_live_parameters", "zero_max_reuse_distance"):
-        value = getattr(p, key)
-        stage3_only = key != "zero_overlap_comm"
-        if value is not None and not p.strategy.startswith("zero3" if stage3_only else "zero"):
-            fail(f"parallel.{key}", value, "needs parallel.strategy zero3" if stage3_only
-                 else "needs parallel.strategy zero1, zero2 or zero3")
-        if stage3_only and value is not None and value < 0:
-            fail(f"parallel.{key}", value, "must be >= 0, or null (DeepSpeed's value on CUDA, sized from the model "
-                 "on CPU)")
-    if p.compile and p.strategy.startswith("zero"):
-        fail("parallel.compile", True, "is supported with ddp and fsdp2 (DeepSpeed's ZeRO-3 linear does not trace "
-             "under torch.compile); set it false for zero1/2/3")
-    if p.precision == "fp16" and p.strategy == "fsdp2":
-        fail("parallel.precision", "fp16", "fsdp2 trains in fp32 or bf16 (no sharded loss scaling here); use bf16, "
-             "or ddp / zero1/2/3 for fp16")
-    if p.meta_init and p.strategy != "fsdp2":
-        fail("parallel.meta_init", True, "needs parallel.strategy = 'fsdp2'")
-    if p.timeout_s < 10:
-        fail("parallel.timeout_s", p.timeout_s, "must be >= 10")
-    if kd.enabled and not kd.teacher_checkpoint:
-        fail("distill.teacher_checkpoint", kd.teacher_checkpoint, "a local teacher weights file is required when distill.enabled")
-    if not 0.0 <= kd.alpha <= 1.0:
-        fail("distill.alpha", kd.alpha, "must be in [0, 1]")
-    if kd.tau <= 0:
-        fail("distill.tau", kd.tau, "must be > 0")
-    if cfg.log.analysis_images < 0:
-        fail("log.analysis_images", cfg.log.analysis_images, "must be >= 0 (0 turns the analysis off)")
-    if kd.teacher_min_top1 is not None and not 0.0 <= kd.teacher_min_top1 <= 100.0:
-        fail("distill.teacher_min_top1", kd.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
-    if m.distill_token and not kd.enabled:
-        fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
-    if cfg.checkpoint.keep_last < 1:
-        fail("checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
-    if cfg.checkpoint.every_epochs < 1:
-        fail("checkpoint.every_epochs", cfg.checkpoint.every_epochs, "must be >= 1")
-    if cfg.checkpoint.every_steps is not None and cfg.checkpoint.every_steps < 1:
-        fail("checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 1, or null")
-    if cfg.log.every_steps < 1:
-        fail("log.every_steps", cfg.log.every_steps, "must be >= 1")
-    if cfg.run.eval_every_epochs < 1:
-        fail("run.eval_every_epochs", cfg.run.eval_every_epochs, "must be >= 1")
 
 
 def _float_fields(node, prefix: str = ""):

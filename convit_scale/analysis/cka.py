@@ -36,6 +36,7 @@ class MinibatchCKA:
         self.xy = torch.zeros(n_rows, n_cols, dtype=torch.float64)
         self.xx = torch.zeros(n_rows, dtype=torch.float64)
         self.yy = torch.zeros(n_cols, dtype=torch.float64)
+        self.examples = self.skipped = 0
 
     @staticmethod
     def gram(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,14 @@ class MinibatchCKA:
         return x @ x.T
 
     def update(self, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> None:
-        """Sums on the representations' device (the first update moves them there): no host sync per batch."""
+        """Sums on the representations' device (the first update moves them there): no host sync per batch. A
+        minibatch of 3 examples or fewer (the last of ``analyze --images 33``) has no unbiased HSIC: it is left out
+        and counted in ``skipped``; the sum over the other minibatches stays an unbiased estimate."""
+        n = rows[0].shape[0]
+        if n <= 3:
+            self.skipped += n
+            return
+        self.examples += n
         device = rows[0].device
         if self.xy.device != device:
             self.xy, self.xx, self.yy = self.xy.to(device), self.xx.to(device), self.yy.to(device)
@@ -57,6 +65,9 @@ class MinibatchCKA:
             self.yy[j] += hsic_unbiased(L, L)
 
     def compute(self) -> torch.Tensor:
+        if self.examples == 0:
+            raise ValueError(f"CKA needs a minibatch of more than 3 examples; got {self.skipped} example(s) in "
+                             f"smaller ones")
         return self.xy / torch.sqrt(self.xx[:, None].clamp_min(1e-30) * self.yy[None, :].clamp_min(1e-30))
 
 
