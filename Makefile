@@ -65,7 +65,7 @@ gpu-test:
 	if [ -n "$$missing" ]; then echo "Installing:$$missing"; \
 	  if [ -n "$(WHEELS)" ]; then $(GPU_PYTHON) -m pip install --no-index --find-links "$(WHEELS)" $$missing; \
 	  else $(GPU_PYTHON) -m pip install $$missing; fi || { echo "error: could not install$$missing (put their wheels in a folder and pass WHEELS=that/folder)"; exit 1; }; fi
-	GPU_TEST_OUT=$(abspath $(GPU_TEST_OUT)) PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider $(PYTEST_ARGS)
+	GPU_TEST_OUT=$(abspath $(GPU_TEST_OUT)) PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/convit-scale demo $(DEMO_ARGS)

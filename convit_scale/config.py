@@ -68,7 +68,7 @@ class ModelConfig:
     local_up_to_layer: int | None = None
     """Number of GPSA blocks; None keeps the model's (10 for ConViT, 0 for DeiT)."""
     locality_strength: float = 1.0
-    """alpha of the convolutional init (SPEC section 2)."""
+    """alpha of the convolutional init (the paper's Section 3)."""
     gpsa_impl: Literal["fast", "reference"] = "fast"
     """GPSA implementation: fused/shared-positional 'fast', or the literal 'reference'."""
     distill_token: bool = False

@@ -17,8 +17,8 @@ PY = sys.executable
 
 # `make test` runs the files on 2 pytest-xdist workers, a file per worker at a time (--dist loadfile: a file's
 # module fixtures are built once). The longest files go first so that none starts last and runs alone.
-LONGEST_FIRST = ["test_engine.py", "test_slurm.py", "test_distill.py", "test_engine_faults.py", "test_planner.py",
-                 "test_demo.py", "test_data.py", "test_data_augment_on.py"]
+LONGEST_FIRST = ["test_train_engine.py", "test_slurm.py", "test_distill.py", "test_train_engine_faults.py",
+                 "test_parallel_nonfinite.py", "test_planner.py", "test_demo.py", "test_data.py", "test_data_augment_on.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -108,11 +108,31 @@ def train_here(recipe: Path, *overrides: str, env: dict | None = None) -> int:
                 os.environ[k] = v
 
 
-def ranks_cmd(recipe: Path, *overrides: str, nproc: int = 2) -> list[str]:
+def run_many(runs: list[dict], folder: Path, nproc: int = 2, timeout: int = 1200) -> list[int]:
+    """Several runs ({"recipe", "overrides", "env"}) one after another in one launch of ``nproc`` ranks
+    (tests/rank_runs.py): the ranks start once for all of them. Returns each run's exit status."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = folder / "plan.json"
+    plan.write_text(json.dumps([{"overrides": [], "env": {}, **r, "recipe": str(r["recipe"])} for r in runs]))
+    res = subprocess.run(torchrun_cmd(nproc, str(REPO / "tests" / "rank_runs.py"), str(plan)), capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return json.loads((folder / "statuses_rank0.json").read_text())
+
+
+def torchrun_cmd(nproc: int, *program: str) -> list[str]:
+    """torchrun on this machine (static rendezvous on a free port) running ``program`` (a script and its
+    arguments, or ``-m module ...``): the one place the tests build a torchrun command line."""
     from convit_scale.train.distributed import free_port
 
     return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "-m", "convit_scale.train", "--recipe", str(recipe), *overrides]
+            f"--master-port={free_port()}", *program]
+
+
+def ranks_cmd(recipe: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    return torchrun_cmd(nproc, "-m", "convit_scale.train", "--recipe", str(recipe), *overrides)
 
 
 def records(out: Path, kind: str = "train") -> list[dict]:

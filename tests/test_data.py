@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import PY, REPO, run_cli
+from conftest import REPO, run_cli, torchrun_cmd
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
 from convit_scale.data.order import rank_indices
@@ -194,13 +194,9 @@ def test_wds_url_locations_stream_through_pipe(fm_wds):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["wds", "ffcv"])
 def test_two_ranks_two_workers_equal_batches_and_coverage(fmt, fm_wds, fm_ffcv, tmp_path):
-    from convit_scale.train.distributed import free_port
-
     path = fm_wds if fmt == "wds" else fm_ffcv
     manifest = json.loads((path / "manifest.json").read_text())
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(REPO / "tests" / "dist_loader_check.py"), fmt, str(path),
-           str(tmp_path), "2", "1"]
+    cmd = torchrun_cmd(2, str(REPO / "tests" / "dist_loader_check.py"), fmt, str(path), str(tmp_path), "2", "1")
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

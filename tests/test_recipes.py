@@ -1,4 +1,4 @@
-"""Every shipped recipe loads and matches the paper's hyperparameters (SPEC sections 3 and 4)."""
+"""Every shipped recipe loads and matches the paper's hyperparameters (the paper's Section 3 and its Tables 1-4)."""
 
 from pathlib import Path
 
@@ -27,7 +27,7 @@ TABLE4 = {"deit_small": 80.9, "deit_base": 83.0, "convit_small_plus": 82.9}
 
 
 def _deit_recipe(cfg):
-    """SPEC section 3, common to every ImageNet recipe."""
+    """DeiT's recipe (the paper's Section 3), common to every ImageNet recipe."""
     d, o, s = cfg.data, cfg.optim, cfg.schedule
     assert (o.weight_decay, o.eps, o.betas, o.grad_clip, o.lr_reference_batch) == (0.05, 1e-8, (0.9, 0.999), None, 512)
     assert (s.warmup_epochs, s.warmup_lr, s.min_lr) == (5, 1e-6, 1e-5)

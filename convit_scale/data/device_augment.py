@@ -38,7 +38,7 @@ from .splitmix import draw, keys_of, srl
 
 @dataclass(frozen=True)
 class DeviceAugmentConfig:
-    """What ``augment_batch`` does: DeiT's defaults (SPEC section 3) unless told otherwise."""
+    """What ``augment_batch`` does: DeiT's defaults (the paper's Section 3) unless told otherwise."""
 
     rand_augment: str | None = "rand-m9-mstd0.5-inc1"
     """timm RandAugment policy string; None turns RandAugment off."""

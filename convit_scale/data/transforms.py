@@ -1,4 +1,4 @@
-"""The DeiT recipe's transforms (SPEC section 3), built with timm so every loader shares them.
+"""The DeiT recipe's transforms (the paper's Section 3), built with timm so every loader shares them.
 
 Train: bicubic RandomResizedCrop + flip, RandAugment rand-m9-mstd0.5-inc1, colour jitter 0.4 (timm skips
 it when RandAugment is on, as DeiT does), normalisation, random erasing 0.25 in pixel mode.

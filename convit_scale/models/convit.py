@@ -2,7 +2,7 @@
 
 A DeiT is a ConViT with zero GPSA layers. The module knows nothing of FSDP, DeepSpeed or DDP: it can be
 built on the meta device, sharded, materialised with ``to_empty`` and then initialised by
-``init_weights()`` (the convolutional init of SPEC section 2 included).
+``init_weights()`` (the convolutional init of the paper's Section 3 included).
 
 Shapes: B batch, L patch tokens, T = L + number of class/distillation tokens, D = embed_dim,
 H heads, hd = head_dim.
@@ -47,7 +47,7 @@ def _fill_(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class GPSA(nn.Module):
-    """Gated positional self-attention (SPEC section 2).
+    """Gated positional self-attention (the paper's Section 3).
 
     A_ij = (1 - sigmoid(lambda_h)) softmax_j(q_i.k_j / sqrt(hd)) + sigmoid(lambda_h) softmax_j(v_pos_h . r_ij)
 
@@ -98,7 +98,7 @@ class GPSA(nn.Module):
         self.rel_indices = relative_positions(self.grid_size, device=self.rel_indices.device)
 
     def init_weights(self, conv_init: bool = True, train_gating: bool = True) -> None:
-        """timm/ConViT init, then the convolutional ("local") init of SPEC section 2 when asked."""
+        """timm/ConViT init, then the convolutional ("local") init of the paper's Section 3 when asked."""
         for lin in (self.qk, self.v, self.proj, self.pos_proj):
             trunc_normal_(lin.weight, std=0.02)
             if lin.bias is not None:
@@ -389,7 +389,7 @@ class ConViT(nn.Module):
         return self.patch_embed.grid_size[0]
 
     def no_weight_decay(self) -> set[str]:
-        """Parameters trained without weight decay besides biases and norms (SPEC section 3)."""
+        """Parameters trained without weight decay besides biases and norms (DeiT's recipe)."""
         names = {"pos_embed", "cls_token", "dist_token"}
         names |= {f"blocks.{i}.attn.gating_param" for i, b in enumerate(self.blocks) if b.use_gpsa}
         return names

@@ -37,7 +37,7 @@ class ModelSpec:
         )
 
 
-# SPEC section 2 and the paper's Table 1 (params in M, GMACs, top-1). The "+" DeiTs are the ones the paper
+# The paper's Section 3 and Table 1 (params in M, GMACs, top-1). The "+" DeiTs are the ones the paper
 # trained with ConViT's code: a ConViT without GPSA layers, so no qkv bias (as Table 3's row e, the same model);
 # the plain DeiTs are DeiT's own (timm's deit_*, qkv bias), whose published numbers the paper quotes.
 MODELS: dict[str, ModelSpec] = {

@@ -27,6 +27,8 @@ class DistContext:
     device: torch.device
     backend: str
     launcher: str
+    owns_group: bool = True
+    """Whether this run started the process group (and so ends it); a caller that formed it keeps it."""
 
     @property
     def is_main(self) -> bool:
@@ -109,12 +111,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext
         pg_backend = "cpu:gloo,cuda:nccl"
     else:
         device, pg_backend = torch.device("cpu"), backend
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(pg_backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     comm.set_device(device)
-    return DistContext(rank, world, local_rank, device, backend, launcher)
+    return DistContext(rank, world, local_rank, device, backend, launcher, owns_group)
 
 
 def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> tuple[int, int]:

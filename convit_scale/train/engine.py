@@ -47,8 +47,9 @@ def train(cfg: Config) -> str:
             run.metrics.close()
     finally:
         stop.restore()
-        comm.destroy()
-        if ctx.launcher == "alone":  # the one-process group's variables must not leak into a next run
+        if ctx.owns_group:
+            comm.destroy()
+        if ctx.launcher == "alone" and ctx.owns_group:  # the one-process group's variables must not leak
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 os.environ.pop(key, None)
 

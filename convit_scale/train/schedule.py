@@ -1,4 +1,4 @@
-"""Learning-rate schedule: a pure function of the optimizer step (SPEC section 3)."""
+"""Learning-rate schedule: a pure function of the optimizer step (DeiT's recipe, the paper's Section 3)."""
 
 from __future__ import annotations
 
