@@ -29,7 +29,7 @@ from ..data.device_augment import DeviceAugmentConfig, augment_batch, augment_on
 from ..data.device_augment import config_of as device_augment_config
 from ..data.order import step_seed
 from ..data.transforms import build_mixup, seed_all
-from ..metrics import MetricsWriter
+from ..metrics import MetricsWriter, wandb_options
 from ..models import MODELS, create_model, load_pretrained
 from ..models.weights import CheckpointMismatch, check_state_dict, convert_state_dict, read_state_dict
 from ..parallel import build_strategy, preload
@@ -204,7 +204,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
                   f"batch {state.batch_in_epoch})")
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
               criterion, build_mixup(cfg.data, cfg.model.num_classes),
-              MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
+              MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step,
+                            wandb=wandb_options(cfg.log, cfg.run.output_dir, cfg.to_dict())), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher,
               device_augment=device_augment_config(cfg.data) if train_loader.spec.augment_on_device else None)
     if teacher is not None:

@@ -26,6 +26,7 @@ def preflight(cfg) -> None:
     matches the model key for key (on the meta device); a checkpoint to resume was written by the same model,
     strategy and global batch; the teacher loads."""
     from ..data import DataError
+    from ..metrics import check_log_backends
 
     d = cfg.data
     _check_output_dir(cfg.run.output_dir)
@@ -38,11 +39,7 @@ def preflight(cfg) -> None:
     for split, key in (("train", "train_path"), ("val", "val_path")):
         if getattr(d, key):
             _check_data(cfg, split, key, getattr(d, key))
-    if cfg.log.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as e:
-            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from e
+    check_log_backends(cfg.log)  # log.tensorboard / log.wandb without their package
     if cfg.model.pretrained:
         _check_pretrained(cfg.model)
     if cfg.checkpoint.resume != "none":
