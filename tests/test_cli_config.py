@@ -35,3 +35,13 @@ def test_config_without_a_recipe_is_one_error_line(argv, words, capsys, monkeypa
     assert len(lines) == 1 and lines[0].startswith("error: ") and not out, err
     for word in words:
         assert word in lines[0], lines[0]
+
+
+def test_get_prints_one_key(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["config", "--recipe", "recipes/table3/convit_small_plus_b_full.yaml", "--get", "run.output_dir"]) == 0
+    assert capsys.readouterr().out == "runs/table3/b_full\n"
+    assert main(["config", "--recipe", DEMO, "--get", "data.global_batch_size", "data.global_batch_size=64"]) == 0
+    assert capsys.readouterr().out == "64\n"
+    assert main(["config", "--recipe", DEMO, "--get", "run.nope"]) == 2
+    assert "--get run.nope: no such key in the config" in capsys.readouterr().err

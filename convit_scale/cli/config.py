@@ -1,9 +1,10 @@
 """``convit-scale config --recipe RECIPE [overrides]``: print the resolved config of a recipe (``config RECIPE
-[overrides]``, the recipe first and without the flag, is accepted too)."""
+[overrides]``, the recipe first and without the flag, is accepted too), or one key of it (``--get``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from .argtypes import recipe
 
@@ -21,7 +22,17 @@ def _cmd_config(args) -> int:
             path = recipe(overrides.pop(0))
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"argument --recipe: {e}") from None
-    print(load_config(path, overrides).to_yaml(), end="")
+    cfg = load_config(path, overrides)
+    if args.get is None:
+        print(cfg.to_yaml(), end="")
+        return 0
+    value = cfg.to_dict()
+    for part in args.get.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"--get {args.get}: no such key in the config; allowed: a dotted key such as "
+                             f"run.output_dir or data.global_batch_size")
+        value = value[part]
+    print(value if not isinstance(value, (dict, list)) else json.dumps(value))
     return 0
 
 
@@ -30,6 +41,7 @@ def register(sub) -> None:
                        description="Print the resolved config of a recipe: its inheritance and the overrides applied, "
                                    "every key checked. `config RECIPE [overrides]` works too.")
     p.add_argument("--recipe", type=recipe, help=RECIPE_HELP)
+    p.add_argument("--get", metavar="KEY", help="print only this dotted key's value (e.g. run.output_dir), for scripts")
     p.add_argument("rest", nargs="*", metavar="override",
                    help="dotted overrides, e.g. optim.base_lr=4e-4 (without --recipe: the recipe first)")
     p.set_defaults(func=_cmd_config)
