@@ -371,6 +371,17 @@ class LogConfig:
     """Rich progress bar on rank 0."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
+    wandb: bool = False
+    """Also log every metrics.jsonl record to Weights & Biases, from rank 0 (needs the wandb package)."""
+    wandb_project: str = "convit-scale"
+    """W&B project of the run."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user); null: the account's default."""
+    wandb_name: str | None = None
+    """W&B run name; null: the run folder under runs/ (run.output_dir runs/table1/convit_small -> table1/convit_small)."""
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """auto: WANDB_MODE when the environment sets it, else online when W&B's server answers and an API key is set,
+    else offline (files in the run folder, uploaded later with `wandb sync`)."""
     analysis_images: int = 1024
     """Validation images of the gating/nonlocality analysis at every evaluation (sharded over the ranks, on the
     training device; the paper uses 1,024); 0 turns the analysis off."""
@@ -384,6 +395,9 @@ class LogConfig:
             fail("log.every_steps", self.every_steps, "must be >= 1")
         if self.analysis_images < 0:
             fail("log.analysis_images", self.analysis_images, "must be >= 0 (0 turns the analysis off)")
+        for key in ("wandb_project", "wandb_name"):
+            if self.wandb and getattr(self, key) is not None and not getattr(self, key).strip():
+                fail(f"log.{key}", getattr(self, key), "a non-empty name" + (", or null" if key == "wandb_name" else ""))
 
 
 @dataclass

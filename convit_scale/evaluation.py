@@ -33,15 +33,26 @@ def summarize(counts: torch.Tensor) -> dict:
     return {"top1": 100 * c1 / n_safe, "top5": 100 * c5 / n_safe, "loss": loss / n_safe, "samples": int(n)}
 
 
+def class_counts(logits: torch.Tensor, y: torch.Tensor, real: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(correct@1 per class, images per class), concatenated: (2 * num_classes,) float64 on the logits' device.
+    index_add_, not bincount or boolean indexing, whose output sizes would make a CUDA run wait for the host."""
+    counts = torch.zeros(2, num_classes, dtype=torch.float64, device=logits.device)
+    counts[0].index_add_(0, y, ((logits.argmax(1) == y) & real).to(torch.float64))
+    counts[1].index_add_(0, y, real.to(torch.float64))
+    return counts.flatten()
+
+
 @torch.no_grad()
-def evaluate(forward, loader, device: torch.device, max_batches: int | None = None) -> dict:
-    """Top-1/top-5 and mean loss of ``forward`` over ``loader``'s evaluation epoch.
+def evaluate(forward, loader, device: torch.device, max_batches: int | None = None,
+             num_classes: int | None = None) -> dict:
+    """Top-1/top-5 and mean loss of ``forward`` over ``loader``'s evaluation epoch; with ``num_classes``, also
+    ``per_class``: [{"top1", "images"}] per label (in the same reduction).
 
     Each rank counts its own share on ``device`` (uint8 batches are normalised there), the padding that evens the
     ranks out (past ``loader.num_real``) does not count, and one reduction adds the counts up: every rank returns
     the same numbers. Every rank runs the same number of forwards (a sharded model's forward is a collective).
     ``loader``: a data loader, or anything with ``epoch(0)`` yielding (x, y) and ``num_real``."""
-    counts = torch.zeros(4, dtype=torch.float64, device=device)
+    counts = torch.zeros(4 + 2 * (num_classes or 0), dtype=torch.float64, device=device)
     seen = 0
     with contextlib.closing(iter(loader.epoch(0))) as batches:
         for i, (x, y) in enumerate(batches):
@@ -52,8 +63,16 @@ def evaluate(forward, loader, device: torch.device, max_batches: int | None = No
                 x = normalize(x)
             real = (torch.arange(len(y), device=device) + seen) < loader.num_real
             seen += len(y)
-            counts += topk_counts(forward(x), y, real)
-    return summarize(comm.all_reduce(counts))
+            logits = forward(x)
+            counts[:4] += topk_counts(logits, y, real)
+            if num_classes:
+                counts[4:] += class_counts(logits, y, real, num_classes)
+    counts = comm.all_reduce(counts)
+    result = summarize(counts[:4])
+    if num_classes:
+        correct, images = counts[4:].view(2, num_classes).tolist()
+        result["per_class"] = [{"top1": 100 * c / max(n, 1.0), "images": int(n)} for c, n in zip(correct, images)]
+    return result
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -332,8 +332,9 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
     return manifest
 
 
-def verify(out: str | Path) -> list[str]:
-    """Re-read every output file and check it against the manifest. Returns the problems found."""
+def verify(out: str | Path, src: str | Path | None = None) -> list[str]:
+    """Re-read every output file of ``out`` and check it against the manifest; with ``src``, also check the
+    manifest against that source tree (:func:`check_source`). Returns the problems found."""
     out = Path(out)
     mf = out / MANIFEST
     if not mf.is_file():
@@ -363,7 +364,41 @@ def verify(out: str | Path) -> list[str]:
                 counts[k] = counts.get(k, 0) + v
         if counts != info["per_class"] and not any(split in p for p in problems):
             problems.append(f"{split}: samples per class differ from the manifest")
+    return problems + (check_source(manifest, Path(src)) if src is not None else [])
+
+
+def check_source(manifest: dict, src: Path) -> list[str]:
+    """The manifest accounts for every image of ``src`` it should hold: the same classes, and per split as many
+    images written plus listed as skipped as the tree has (after the manifest's subset fraction). Lists files
+    only; reads no image."""
+    if not (src / "train").is_dir():
+        return [f"--src {src}: no train folder (allowed: the ImageNet-style tree the output was converted from)"]
+    opts = manifest["options"]
+    classes = list_classes(src / "train")
+    if classes != manifest["classes"]:
+        return [f"--src {src}: {len(classes)} class folders in train/, the manifest has {len(manifest['classes'])} "
+                f"classes, or other names (converted from {manifest['source']})"]
+    problems = []
+    for split in opts["splits"]:
+        info = manifest["splits"].get(split)
+        if info is None:
+            if (src / split).is_dir():
+                problems.append(f"{src / split}: in the source but not in the manifest")
+            continue
+        samples, unlabelled = scan_split(src, split, classes, _opt_path(opts["val_labels"]),
+                                         _opt_path(opts["val_synsets"]))
+        if split == "train":
+            samples = subsample(samples, opts["subset_fraction"])
+        accounted = info["num_samples"] + len(info["skipped"])
+        if len(samples) + len(unlabelled) != accounted:
+            problems.append(f"{src / split}: {len(samples)} images (subset fraction {opts['subset_fraction']:g}) and "
+                            f"{len(unlabelled)} unlabelled file(s), but the manifest accounts for {accounted} "
+                            f"({info['num_samples']} written, {len(info['skipped'])} skipped)")
     return problems
+
+
+def _opt_path(value: str | None) -> Path | None:
+    return Path(value) if value else None
 
 
 def _read_labels(path: Path, fmt: str) -> list[int]:

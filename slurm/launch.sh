@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The shared launcher behind every slurm/<recipe>.sh. Inputs (environment):
-#   RECIPE        recipe file (set by the wrapper)
+# The shared launcher behind slurm/train.sh and every slurm/<recipe>.sh. Inputs (environment):
+#   RECIPE        recipe file (set by the wrapper; slurm/train.sh takes any)
 #   DATA_DIR      prepared data folder (sets data.train_path and data.val_path)
-#   OUTPUT_DIR    run folder (default runs/<job name>); checkpoints there survive requeues
+#   OUTPUT_DIR    run folder (default: the recipe's run.output_dir, as `convit-scale train` uses it); checkpoints
+#                 there survive requeues
 #   OVERRIDES     extra dotted overrides, space separated (e.g. "parallel.strategy=zero3 data.num_workers=10")
 #   LAUNCHER      srun (default: one task per GPU) or torchrun (one torchrun per node, static rendezvous;
 #                 needs a torch whose torchrun has --signals-to-handle, torch 2.9 and later)
 #   PYTHON        interpreter (default .venv/bin/python, else python3)
+#   SITE_SCRIPT   site settings sourced first (default slurm/site.sh when it exists; see slurm/site.example.sh):
+#                 modules, NCCL_*/GLOO_* (passed to every rank), SRUN_ARGS (options for the srun steps, e.g. a
+#                 container), and any of these variables
 #   MASTER_ADDR   rendezvous host (default: first node of the job)
 #   STOP_GRACE_S  torchrun only: seconds the ranks get, after the pre-timeout signal, to save before
 #                 torchrun kills them (default 300; keep it under the script's --signal=USR1@T)
@@ -19,6 +23,7 @@
 # gives (75, or what srun and torchrun make of it; see below).
 set -uo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
+source "$(dirname "${BASH_SOURCE[0]}")/site_hook.sh"  # SITE_SCRIPT, SRUN_ARGS, site_report
 LAUNCHER=${LAUNCHER:-srun}
 case "$LAUNCHER" in
     srun | torchrun) ;;
@@ -32,13 +37,25 @@ if ! [[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]]; then
 fi
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-: "${RECIPE:?RECIPE is not set}"
-OUT=${OUTPUT_DIR:-runs/${SLURM_JOB_NAME:-job}}
-MARKER="$OUT/STOPPED_FOR_REQUEUE"
-args=("run.output_dir=$OUT")
+if [ -z "${RECIPE:-}" ]; then
+    echo "error: RECIPE is not set; allowed: a recipe file, e.g. RECIPE=recipes/table3/convit_small_plus_b_full.yaml sbatch slurm/train.sh" >&2
+    exit 2
+fi
+args=()
 if [ -n "${DATA_DIR:-}" ]; then args+=("data.train_path=$DATA_DIR" "data.val_path=$DATA_DIR"); fi
 # shellcheck disable=SC2206
 args+=(${OVERRIDES:-})
+# One run folder per recipe whatever launches it: the recipe's run.output_dir (after the overrides), unless
+# OUTPUT_DIR names another.
+if [ -n "${OUTPUT_DIR:-}" ]; then
+    OUT=$OUTPUT_DIR
+    out_note="OUTPUT_DIR"
+else
+    OUT=$("$PY" -m convit_scale.cli config --recipe "$RECIPE" --get run.output_dir "${args[@]}") || exit 2
+    out_note="the recipe's run.output_dir"
+fi
+args=("run.output_dir=$OUT" "${args[@]}")
+MARKER="$OUT/STOPPED_FOR_REQUEUE"
 NODES=${SLURM_JOB_NUM_NODES:-1}
 GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}  # ranks per node
 [ "$GPUS" -ge 1 ] 2>/dev/null || GPUS=1
@@ -66,7 +83,8 @@ export OMP_NUM_THREADS=$RANK_CPUS
 echo "== convit-scale job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}"
 echo "== nodes $NODES, tasks/GPUs per node $GPUS, launcher $LAUNCHER, master $MASTER_ADDR:$MASTER_PORT"
 echo "== CPUs per rank $RANK_CPUS ($cpu_note), OMP_NUM_THREADS=$OMP_NUM_THREADS"
-echo "== recipe $RECIPE, output $OUT, overrides: ${args[*]}"
+echo "== recipe $RECIPE, output $OUT ($out_note), overrides: ${args[*]}"
+site_report
 
 if [ "$LAUNCHER" = torchrun ]; then
     # Slurm's pre-timeout signal reaches torchrun, not its ranks (they run in their own sessions).
@@ -90,7 +108,7 @@ sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null)
     fi
 fi
 # Validate (and print) the resolved recipe before any training process starts.
-"$PY" -m convit_scale.cli config "$RECIPE" "${args[@]}" | sed 's/^/   /' || { echo "error: recipe refused"; exit 2; }
+"$PY" -m convit_scale.cli config --recipe "$RECIPE" "${args[@]}" | sed 's/^/   /' || { echo "error: recipe refused"; exit 2; }
 
 # A marker left by an earlier run must not requeue this one: only a marker written by this step counts.
 rm -f "$MARKER"
@@ -103,14 +121,16 @@ if [ "$LAUNCHER" = torchrun ]; then
     export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-300}
     # One task per node (explicit --ntasks: the job's SLURM_NTASKS would ask for one per GPU) with all of
     # the node's CPUs, unbound, for torchrun to share among its ranks.
+    # shellcheck disable=SC2086
     srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$STEP_CPUS" --cpu-bind=none \
-        --kill-on-bad-exit=1 bash -c "echo \"== node \$SLURM_NODEID: torchrun has \$SLURM_CPUS_PER_TASK CPUs, \
+        --kill-on-bad-exit=1 $SRUN_ARGS bash -c "echo \"== node \$SLURM_NODEID: torchrun has \$SLURM_CPUS_PER_TASK CPUs, \
 ranks get OMP_NUM_THREADS=\$OMP_NUM_THREADS\"; exec '$PY' -m torch.distributed.run \
         --nnodes=$NODES --nproc-per-node=$GPUS --node-rank=\$SLURM_NODEID \
         --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT \
         -m convit_scale.train --recipe '$RECIPE' $(printf "'%s' " "${args[@]}")"
 else
-    srun --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
+    # shellcheck disable=SC2086
+    srun --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 $SRUN_ARGS "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
 fi
 rc=$?
 stopped=no

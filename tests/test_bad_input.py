@@ -145,8 +145,8 @@ def test_export_refuses_a_wrong_suffix_and_an_existing_folder(tmp_path, capsys):
 
 def test_eval_and_analyze_name_a_file_that_is_no_checkpoint(tmp_path, capsys):
     files = _not_a_checkpoint(tmp_path)
-    data, out = tmp_path / "data", tmp_path / "analysis"
-    for cmd in (["eval"], ["analyze", "--out", out]):
+    data, out = tmp_path / "data", tmp_path / "analysis"  # the format named: the data is not looked at first
+    for cmd in (["eval", "--format", "wds"], ["analyze", "--format", "wds", "--out", out]):
         refused([*cmd, "--checkpoint", tmp_path / "missing.pth", "--data", data], capsys,
                 f"checkpoint not found: {tmp_path / 'missing.pth'}", "allowed: a run checkpoint folder")
         refused([*cmd, "--checkpoint", tmp_path, "--data", data], capsys, str(tmp_path), "no meta.json")
@@ -156,7 +156,7 @@ def test_eval_and_analyze_name_a_file_that_is_no_checkpoint(tmp_path, capsys):
                         "not a weights file", "allowed: a .safetensors file or a .pth/.pt/.bin state dict")
         refused([*cmd, "--checkpoint", files["fake_safetensors"], "--data", data], capsys,
                 str(files["fake_safetensors"]), "not a readable safetensors file")
-    line = refused(["eval", "--checkpoint", files["pickle"], "--data", data], capsys)
+    line = refused(["eval", "--format", "wds", "--checkpoint", files["pickle"], "--data", data], capsys)
     assert "argparse.Namespace" in line  # what the file pickles, not torch's advice to unpickle it
     assert not out.exists() and not data.exists()
 

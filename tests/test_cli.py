@@ -9,6 +9,7 @@ from convit_scale.config import ConfigError, find_recipe, recipe_path
 
 DEMO = "recipes/cpu/demo.yaml"
 PREP = ["prep", "wds", "--src", "SRC", "--out", "OUT"]
+PREP_FFCV = ["prep", "ffcv", "--src", "SRC", "--out", "OUT"]  # the options of `prep ffcv` only
 EVAL = ["eval", "--checkpoint", "CKPT", "--data", "DATA"]
 PLAN = ["plan", "--recipe", DEMO]
 TRAIN = ["train", "--recipe", DEMO]
@@ -17,11 +18,11 @@ BAD_INPUT = [  # (argv, the flag the error names, what it says is allowed)
     (PREP + ["--subset-fraction", "0"], "--subset-fraction", "(0, 1]"),
     (PREP + ["--subset-fraction", "1.5"], "--subset-fraction", "(0, 1]"),
     (PREP + ["--subset-fraction", "half"], "--subset-fraction", "not a number"),
-    (PREP + ["--jpeg-quality", "0"], "--jpeg-quality", "1..100"),
-    (PREP + ["--jpeg-quality", "101"], "--jpeg-quality", "1..100"),
+    (PREP_FFCV + ["--jpeg-quality", "0"], "--jpeg-quality", "1..100"),
+    (PREP_FFCV + ["--jpeg-quality", "101"], "--jpeg-quality", "1..100"),
     (PREP + ["--shard-size", "0"], "--shard-size", ">= 1"),
     (PREP + ["--workers", "0"], "--workers", ">= 1"),
-    (PREP + ["--max-resolution", "-5"], "--max-resolution", ">= 1"),
+    (PREP_FFCV + ["--max-resolution", "-5"], "--max-resolution", ">= 1"),
     (["prep", "fashion-mnist", "--out", "OUT", "--train-per-class", "0"], "--train-per-class", ">= 1"),
     (["prep", "fashion-mnist", "--out", "OUT", "--val-per-class", "-1"], "--val-per-class", ">= 1"),
     (["prep", "wds", "--out", "OUT"], "--src", "needs --src"),
@@ -100,10 +101,11 @@ def test_resume_flag_is_the_checkpoint_resume_override(fm_tree, tmp_path):
     assert f"resumed from {step1} at step 1" in res.stdout
 
 
-def test_tables_written_to_a_file_keep_their_headers(capsys):
+def test_tables_written_to_a_file_keep_their_headers(capsys, monkeypatch):
     """Not a terminal (a file, a Slurm log): the table is as wide as it needs, no header cut to "par…"."""
     from convit_scale.cli import main
 
+    monkeypatch.delenv("COLUMNS", raising=False)  # COLUMNS, when set, is the width (tests/test_console.py)
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "params (M)" in out and "GPSA layers" in out and "…" not in out

@@ -17,9 +17,7 @@ from .cka import MinibatchCKA
 from ..metrics import read_records
 from ..evaluation import Batches, evaluate
 from .attention import attention_maps, gating, head_distances
-
-ANALYSIS_IMAGES = 1024
-"""Validation images `analyze` measures by default (the paper's nonlocality uses 1,024)."""
+from . import ANALYSIS_IMAGES  # noqa: F401  (re-exported: the default number of images)
 
 
 def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32, **view) -> list:

@@ -13,7 +13,15 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+
+def _resolve(args) -> None:
+    """``auto`` device and precision: the GPU in bf16 when there is one, else the CPU in fp32."""
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.precision == "auto":
+        args.precision = "bf16" if args.device.startswith("cuda") else "fp32"
 
 
 def _run(args) -> dict:
@@ -41,9 +49,13 @@ def _run(args) -> dict:
     return bench_distill(args.batch or 4, args.steps, args.rounds, args.device)
 
 
-def _cmd_bench(args) -> int:
+def run_bench(args) -> int:
+    """`convit-scale bench WHAT`: run one benchmark, write OUT/bench_WHAT.json and print it."""
+    import torch
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    _resolve(args)
     res = _run(args)
     res["command"] = "convit-scale " + " ".join(sys.argv[1:])
     res["torch"] = torch.__version__
@@ -53,24 +65,3 @@ def _cmd_bench(args) -> int:
     print(json.dumps(res, indent=1))
     print(f"wrote {path}")
     return 0
-
-
-def add_subcommand(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu)")
-    p.add_argument("what", choices=["model", "data", "memory", "distill", "mfu"])
-    p.add_argument("--out", default="runs/bench")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--precision", default="bf16" if torch.cuda.is_available() else "fp32", choices=["fp32", "bf16"])
-    p.add_argument("--batch", type=int, help="images per step (model: 8, distill: 4, mfu: 64)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=8.0, help="data: seconds per candidate and round")
-    p.add_argument("--model", default="convit_base_plus", help="memory: the model")
-    p.add_argument("--img-size", type=int, default=64, help="memory: input size (model state dominates)")
-    p.add_argument("--worlds", default="1,2,4", help="memory: world sizes")
-    p.add_argument("--strategies", default="ddp,fsdp2,zero1,zero2,zero3", help="memory: strategies")
-    p.add_argument("--models", default="convit_small_plus,convit_base_plus", help="mfu: models")
-    p.add_argument("--warmup", type=int, default=3, help="mfu: untimed steps first")
-    p.add_argument("--peak-tflops", type=float, help="mfu: the device's dense peak (default: known GPUs' bf16 peak)")
-    p.add_argument("--compile", action="store_true", help="mfu: torch.compile each block")
-    p.set_defaults(func=_cmd_bench)

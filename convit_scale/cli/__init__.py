@@ -9,8 +9,10 @@ and exits with status 2, checked before any work starts. Only a bug shows a trac
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
+from .. import __version__
 from . import analyze, bench, config, evaluate, experiment, export, models, plan, prep, train
 from .models import model_table_rows
 
@@ -24,16 +26,48 @@ class UsageError(Exception):
     """A command line argparse refuses (unknown flag, value out of range)."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's default in its help, as ``(default: X)``, unless the help already says what the default is
+    or there is none (None, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or "default" in text or isinstance(default, bool)
+                or action.nargs in ("*", "+") and default == []):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+_OVERRIDE_AS_FLAG = re.compile(r"^--?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(=(.*))?$")
+
+
+def _override_hint(message: str) -> str:
+    """For ``unrecognized arguments: --optim.base_lr=1e-3``: how the override is written."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    for arg in message.partition(":")[2].split():
+        m = _OVERRIDE_AS_FLAG.match(arg)
+        if m:
+            return f"; overrides are written without dashes: {m.group(1)}={m.group(3) if m.group(2) else 'VALUE'}"
+    return ""
+
+
 class _Parser(argparse.ArgumentParser):
     # argparse prints the usage and exits; here a refused argument is one `error:` line like every other
     # expected failure (sub-command parsers are made with the parent's class, so this covers them too).
+    def __init__(self, *args, formatter_class=_HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
     def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message}{_override_hint(message)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="convit-scale", description="Train and analyse ConViT and DeiT on ImageNet at cluster scale. "
                      "Bad input is one `error:` line and exit status 2, before any work starts.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
@@ -60,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except Exception as e:
-        if not isinstance(e, expected_errors()):
+        # UsageError first: the other expected errors' classes import torch, seconds a usage error should not cost
+        if not isinstance(e, UsageError) and not isinstance(e, expected_errors()):
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

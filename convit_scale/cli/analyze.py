@@ -5,19 +5,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..analysis.report import ANALYSIS_IMAGES
+from ..analysis import ANALYSIS_IMAGES
 from .argtypes import device, positive_int
+from .evaluate import FORMAT_HELP
 
 
 def _cmd_analyze(args) -> int:
     from ..analysis.report import analyze, eval_batches
+    from ..data.formats import detect_format
     from ..evaluation import resolve_device
     from ..trained import eval_view, load_trained_model
 
+    fmt = args.format or detect_format(args.data)  # before the models: bad data is refused before any work
     on = resolve_device(args.device)
     model = load_trained_model(args.checkpoint, args.model).to(on)
     compare = load_trained_model(args.compare, args.compare_model).to(on) if args.compare else None
-    batches = eval_batches(args.data, args.format, model.patch_embed.img_size[0], args.images,
+    batches = eval_batches(args.data, fmt, model.patch_embed.img_size[0], args.images,
                            **eval_view(args.checkpoint))
     run_dir = Path(args.run) if args.run else _run_dir_of(Path(args.checkpoint))
     names = (args.name or Path(args.checkpoint).name,
@@ -42,7 +45,7 @@ def register(sub) -> None:
     p.add_argument("--compare", help="a second checkpoint: CKA between the two models")
     p.add_argument("--compare-model", help="model name of --compare when needed")
     p.add_argument("--data", required=True, help="prepared folder (ffcv/wds) or ImageFolder root")
-    p.add_argument("--format", default="wds", choices=["ffcv", "wds", "imagefolder"])
+    p.add_argument("--format", choices=["ffcv", "wds", "imagefolder"], help=FORMAT_HELP)
     p.add_argument("--out", required=True, help="folder for the PNGs and analysis.json")
     p.add_argument("--run", help="run folder with metrics.jsonl for the histories (default: from the checkpoint)")
     p.add_argument("--images", type=positive_int, default=ANALYSIS_IMAGES,

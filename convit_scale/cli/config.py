@@ -1,19 +1,47 @@
-"""``convit-scale config RECIPE [overrides]``: print the resolved config of a recipe."""
+"""``convit-scale config --recipe RECIPE [overrides]``: print the resolved config of a recipe (``config RECIPE
+[overrides]``, the recipe first and without the flag, is accepted too), or one key of it (``--get``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 from .argtypes import recipe
+
+RECIPE_HELP = "a recipe file or a shipped recipe's name (recipes/cpu/demo.yaml)"
 
 
 def _cmd_config(args) -> int:
     from ..config import load_config
 
-    print(load_config(args.recipe, args.overrides).to_yaml(), end="")
+    path, overrides = args.recipe, list(args.rest)
+    if path is None:  # the older form: the recipe is the first positional argument
+        if not overrides or "=" in overrides[0]:
+            raise ValueError(f"config needs --recipe; allowed: {RECIPE_HELP}, as --recipe R or as the first argument")
+        try:
+            path = recipe(overrides.pop(0))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"argument --recipe: {e}") from None
+    cfg = load_config(path, overrides)
+    if args.get is None:
+        print(cfg.to_yaml(), end="")
+        return 0
+    value = cfg.to_dict()
+    for part in args.get.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"--get {args.get}: no such key in the config; allowed: a dotted key such as "
+                             f"run.output_dir or data.global_batch_size")
+        value = value[part]
+    print(value if not isinstance(value, (dict, list)) else json.dumps(value))
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("config", help="print the resolved config of a recipe")
-    p.add_argument("recipe", type=recipe, help="a recipe file or a shipped recipe's name (recipes/cpu/demo.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.base_lr=4e-4")
+    p = sub.add_parser("config", help="print the resolved config of a recipe",
+                       description="Print the resolved config of a recipe: its inheritance and the overrides applied, "
+                                   "every key checked. `config RECIPE [overrides]` works too.")
+    p.add_argument("--recipe", type=recipe, help=RECIPE_HELP)
+    p.add_argument("--get", metavar="KEY", help="print only this dotted key's value (e.g. run.output_dir), for scripts")
+    p.add_argument("rest", nargs="*", metavar="override",
+                   help="dotted overrides, e.g. optim.base_lr=4e-4 (without --recipe: the recipe first)")
     p.set_defaults(func=_cmd_config)

@@ -1,34 +1,65 @@
-"""``convit-scale eval``: top-1/top-5 of a checkpoint (ours, exported, or any timm model's weights)."""
+"""``convit-scale eval``: top-1/top-5 of a checkpoint (ours, exported, or any timm model's weights), on data whose
+format is read from the folder, optionally written to a JSON results file."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from .argtypes import device, non_negative_int, positive_int
+
+FORMAT_HELP = ("ffcv, wds or imagefolder (default: read from --data: its manifest.json's format, or imagefolder "
+               "for a folder whose train/ holds class folders)")
 
 
 def _cmd_eval(args) -> int:
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
+    from ..data.formats import class_names, detect_format
     from ..evaluation import evaluate, resolve_device
+
+    fmt = args.format or detect_format(args.data)  # before the model: bad data is refused before any work
+    _check_results_file(args.results_file)
+    on = resolve_device(args.device)
+    name, model, img_size = _load(args)
+    d = DataConfig(format=fmt, train_path=args.data, val_path=args.data, num_workers=args.workers)
+    loader = build_loader(d, LoaderSpec("val", img_size, args.batch_size, pin_memory=on.type == "cuda"))
+    r = evaluate(model.to(on).eval(), loader, on, num_classes=model.num_classes if args.results_file else None)
+    print(f"{name}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['samples']} images on {on}, {fmt} data)")
+    if args.results_file:
+        names = class_names(args.data, fmt)
+        per_class = [{"label": i, "class": names[i] if names and i < len(names) else None, **c}
+                     for i, c in enumerate(r["per_class"]) if c["images"]]
+        results = {"checkpoint": str(args.checkpoint), "model": name, "data": args.data, "format": fmt,
+                   "images": r["samples"], "top1": r["top1"], "top5": r["top5"], "loss": r["loss"],
+                   "device": str(on), "per_class": per_class}
+        path = Path(args.results_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(results, indent=1) + "\n")
+        tmp.replace(path)
+        print(f"wrote {path}")
+    return 0
+
+
+def _check_results_file(path: str | None) -> None:
+    if path and Path(path).is_dir():
+        raise ValueError(f"--results-file {path} is a folder; allowed: a file name (JSON is written there)")
+
+
+def _load(args):
+    """(name, model, input size) of --checkpoint: ours by its config or --model, else a timm architecture."""
     from ..models import MODELS
     from ..models.weights import load_timm_model
 
-    on = resolve_device(args.device)
     if args.model is None or args.model in MODELS:
         from ..trained import load_trained_model
 
         model = load_trained_model(args.checkpoint, args.model, args.num_classes)
-        name = args.model or "model"
-        img_size = model.patch_embed.img_size[0]
-    else:  # any timm architecture, e.g. a distillation teacher (regnety_160)
-        name = args.model
-        model = load_timm_model(name, args.checkpoint, num_classes=args.num_classes or 1000, name_key="--model")
-        img_size = args.img_size or 224
-    d = DataConfig(format=args.format, train_path=args.data, val_path=args.data, num_workers=args.workers)
-    loader = build_loader(d, LoaderSpec("val", args.img_size or img_size, args.batch_size,
-                                        pin_memory=on.type == "cuda"))
-    r = evaluate(model.to(on).eval(), loader, on)
-    print(f"{name}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['samples']} images on {on})")
-    return 0
+        return args.model or "model", model, args.img_size or model.patch_embed.img_size[0]
+    # any timm architecture, e.g. a distillation teacher (regnety_160)
+    model = load_timm_model(args.model, args.checkpoint, num_classes=args.num_classes or 1000, name_key="--model")
+    return args.model, model, args.img_size or 224
 
 
 def register(sub) -> None:
@@ -36,11 +67,15 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="run checkpoint dir, exported .safetensors, or weights file")
     p.add_argument("--model", help="model name (ours or any timm architecture); default: from the checkpoint")
     p.add_argument("--data", required=True, help="prepared folder (ffcv/wds) or ImageFolder root")
-    p.add_argument("--format", default="wds", choices=["ffcv", "wds", "imagefolder"])
-    p.add_argument("--num-classes", type=positive_int)
-    p.add_argument("--img-size", type=positive_int)
-    p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--workers", type=non_negative_int, default=2)
+    p.add_argument("--format", choices=["ffcv", "wds", "imagefolder"], help=FORMAT_HELP)
+    p.add_argument("--num-classes", type=positive_int,
+                   help="classes of the model's head (default: the checkpoint's; 1000 for a timm architecture)")
+    p.add_argument("--img-size", type=positive_int,
+                   help="input size (default: the checkpoint's model's; 224 for a timm architecture)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward")
+    p.add_argument("--workers", type=non_negative_int, default=2, help="loader workers (0: in this process)")
     p.add_argument("--device", type=device, default="auto",
-                   help="auto (the GPU when there is one), cpu, cuda or cuda:N (default: %(default)s)")
+                   help="auto (the GPU when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--results-file", metavar="PATH",
+                   help="also write the results as JSON: top-1/top-5, loss, images, per-class top-1, checkpoint")
     p.set_defaults(func=_cmd_eval)

@@ -36,7 +36,8 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on the embedded Fashion-MNIST (what `make demo` runs)")
     p.add_argument("--out", default="runs/demo", help="folder for data, run, checkpoints and plots")
     p.add_argument("--loader", default="wds", choices=["wds", "ffcv", "imagefolder"], help="data loader")
-    p.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "ddp", "zero1", "zero2", "zero3"])
+    p.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "ddp", "zero1", "zero2", "zero3"],
+                   help="parallel.strategy of the training run")
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="training processes (default: every GPU where present, else 2 CPU processes)")
     p.add_argument("--epochs", type=positive_int, help="override the demo recipe's epochs")
@@ -47,8 +48,9 @@ def register(sub) -> None:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("experiment", help="small replications anyone can run on CPU")
-    p.add_argument("which", choices=["sample-efficiency"])
-    p.add_argument("--out", default="runs/sample_efficiency")
+    p.add_argument("which", choices=["sample-efficiency"],
+                   help="sample-efficiency: Table 2 at small size (DeiT vs ConViT on subsets of Fashion-MNIST)")
+    p.add_argument("--out", default="runs/sample_efficiency", help="folder for the runs, the table and the plot")
     p.add_argument("--fractions", type=fractions, default=[0.05, 0.1, 0.3, 1.0],
                    help="comma-separated subset fractions, each in (0, 1] (default 0.05,0.1,0.3,1)")
     p.add_argument("--models", type=names, default=["convit_micro", "deit_micro"],

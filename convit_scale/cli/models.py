@@ -21,7 +21,7 @@ def model_table_rows() -> list[dict]:
 
 
 def _cmd_models(args) -> int:
-    from ..console import console
+    from ..console import print_table
     from rich.table import Table
 
     table = Table(title="ConViT / DeiT models (counted from the modules; paper = Table 1)")
@@ -33,7 +33,7 @@ def _cmd_models(args) -> int:
         table.add_row(r["name"], str(r["heads"]), str(r["head_dim"]), str(r["width"]), str(r["gpsa_layers"]),
                       str(r["img_size"]), f"{r['params_m']:.2f}", fmt(r["paper_params_m"], "g"),
                       f"{r['gmacs']:.2f}", fmt(r["paper_gmacs"], "g"), fmt(r["paper_top1"], ".1f"))
-    console().print(table)
+    print_table(table)  # folded to the terminal's width, names whole
     return 0
 
 

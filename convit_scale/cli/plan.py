@@ -9,7 +9,7 @@ from .argtypes import fraction, positive_float, positive_int, recipe
 
 
 def _cmd_plan(args) -> int:
-    from ..console import console
+    from ..console import print_table
     from rich.table import Table
 
     from ..config import load_config
@@ -29,7 +29,7 @@ def _cmd_plan(args) -> int:
                   str(r["max_micro_batch"]),
                   "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}",
                   f"{r['step_s']:.3f}", f"{r['gpu_hours']:.0f}", f"{r['wall_clock_h']:.1f}")
-    console().print(t)
+    print_table(t)  # folded to the terminal's width, names whole
     if cfg.data.global_batch_size % world:
         print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
     cpus = args.cpus_per_gpu or _default_cpus_per_gpu(args.gpus_per_node)
@@ -59,14 +59,15 @@ def _default_cpus_per_gpu(gpus_per_node: int) -> float:
 
 
 def register(sub) -> None:
-    from ..planner import GPUS
+    from ..hardware import GPUS
 
     p = sub.add_parser("plan", help="memory per GPU, micro-batch, step time and GPU-hours for a recipe")
     p.add_argument("--recipe", required=True, type=recipe,
                    help="a recipe file or a shipped recipe's name (recipes/table1/convit_base.yaml)")
     p.add_argument("--nodes", type=positive_int, default=1, help="nodes (>= 1)")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (>= 1)")
-    p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
+    p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS), metavar="GPU",
+                   help=f"the GPU, for its memory and peak FLOP/s (convit_scale/hardware.py): {', '.join(sorted(GPUS))}")
     p.add_argument("--mfu", type=fraction, default=0.4, help="assumed model FLOPs utilisation, in (0, 1]")
     p.add_argument("--cpus-per-gpu", type=positive_float, default=None,
                    help="CPU cores feeding each GPU's loader (> 0; default SLURM_CPUS_PER_TASK, else cores / GPUs)")

@@ -1,43 +1,31 @@
 """``convit-scale prep``: convert an ImageNet-style tree to FFCV or WebDataset, verify it, or build the
-embedded Fashion-MNIST tree."""
+embedded Fashion-MNIST tree. One sub-command per kind, each with its own options: an option of another kind
+(``prep ffcv --shard-size``) is refused, naming the kind it belongs to."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 from ..hardware import usable_cpus
 from .argtypes import fraction, int_between, positive_int
 
-
-NEEDS = {"ffcv": ("--src", "--out"), "wds": ("--src", "--out"), "verify": ("DIR",), "fashion-mnist": ("--out",)}
-"""The paths each kind of prep needs."""
+KINDS = ("ffcv", "wds", "verify", "fashion-mnist")
 
 
-def _cmd_prep(args) -> int:
-    from data_prep import PrepOptions, prepare, verify
+def _cmd_convert(args) -> int:
+    from data_prep import PrepOptions, prepare
 
-    given = {"--src": args.src, "DIR": args.src, "--out": args.out}
-    missing = [name for name in NEEDS[args.fmt] if not given[name]]
+    missing = [flag for flag, value in (("--src", args.src), ("--out", args.out)) if not value]
     if missing:
         raise ValueError(f"prep {args.fmt} needs {' and '.join(missing)}")
-    if args.fmt == "verify":
-        problems = verify(args.src)
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        print("verified: every file matches the manifest" if not problems else f"{len(problems)} problem(s)")
-        return 1 if problems else 0
-    if args.fmt == "fashion-mnist":
-        from data_prep.fashion_mnist import build_tree
-
-        limits = {"train": args.train_per_class, "val": args.val_per_class}
-        build_tree(args.out, {k: v for k, v in limits.items() if v is not None} or None)
-        print(f"Fashion-MNIST ImageFolder tree in {args.out}")
-        return 0
-    opts = PrepOptions(fmt=args.fmt, subset_fraction=args.subset_fraction, shard_size=args.shard_size,
-                       seed=args.seed, max_resolution=args.max_resolution, jpeg_quality=args.jpeg_quality,
-                       write_mode=args.write_mode, strict=args.strict, workers=args.workers,
-                       val_labels=args.val_labels, val_synsets=args.val_synsets)
+    if args.fmt == "wds":
+        own = {"shard_size": args.shard_size, "seed": args.seed}
+    else:
+        own = {"max_resolution": args.max_resolution, "jpeg_quality": args.jpeg_quality, "write_mode": args.write_mode}
+    opts = PrepOptions(fmt=args.fmt, subset_fraction=args.subset_fraction, strict=args.strict, workers=args.workers,
+                       val_labels=args.val_labels, val_synsets=args.val_synsets, **own)
     manifest = prepare(args.src, args.out, opts)
     for split, info in manifest["splits"].items():
         print(f"{split}: {info['num_samples']} images in {len(info['files'])} file(s), {len(info['skipped'])} skipped")
@@ -45,29 +33,91 @@ def _cmd_prep(args) -> int:
     return 0
 
 
-def register(sub) -> None:
-    p = sub.add_parser("prep", help="convert an ImageNet-style tree to FFCV or WebDataset, or verify the output")
-    p.add_argument("fmt", choices=["ffcv", "wds", "verify", "fashion-mnist"],
-                   help="ffcv/wds: convert; verify DIR: re-check against the manifest; "
-                        "fashion-mnist: build the embedded tree")
-    p.add_argument("src", nargs="?", help="(verify) the prepared folder")
-    p.add_argument("--src", dest="src", help="source tree with train/ and val/")
-    p.add_argument("--out", help="output folder")
+def _cmd_verify(args) -> int:
+    from data_prep import verify
+
+    problems = verify(args.dir, src=args.src)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    checked = "every file matches the manifest" + (f", and the manifest matches {args.src}" if args.src else "")
+    print(f"verified {args.dir}: {checked}" if not problems else f"{args.dir}: {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def _cmd_fashion_mnist(args) -> int:
+    from data_prep.fashion_mnist import build_tree
+
+    limits = {"train": args.train_per_class, "val": args.val_per_class}
+    build_tree(args.out, {k: v for k, v in limits.items() if v is not None} or None)
+    print(f"Fashion-MNIST ImageFolder tree in {args.out}")
+    return 0
+
+
+def _convert_options(p, fmt: str) -> None:
+    p.add_argument("--src", help="source tree with train/ and val/ (class folders, or a flat val/ with --val-labels)")
+    p.add_argument("--out", help="output folder (new, empty, or an earlier `prep %s` output to resume)" % fmt)
     p.add_argument("--subset-fraction", type=fraction, default=1.0,
                    help="Table 2: first floor(n_c*f) files per class, f in (0, 1]")
-    p.add_argument("--shard-size", type=positive_int, default=1000, help="wds: samples per shard")
-    p.add_argument("--seed", type=int, default=0, help="wds: shuffle seed before sharding")
-    p.add_argument("--max-resolution", type=positive_int, default=384,
-                   help="ffcv: max image side (see data_prep/convert.py)")
-    p.add_argument("--jpeg-quality", type=int_between(1, 100), default=90,
-                   help="ffcv: JPEG quality of re-encoded images, 1..100")
-    p.add_argument("--write-mode", default="jpg", choices=["jpg", "raw", "proportion", "smart"], help="ffcv write mode")
     p.add_argument("--strict", action="store_true", help="fail on unreadable files instead of skipping them")
     p.add_argument("--workers", type=positive_int, default=usable_cpus(),
-                   help="parallel processes (default: the CPUs this process may use)")
+                   help="parallel processes (default: the CPUs this process may use, here %(default)s)")
     p.add_argument("--val-labels", help="flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt")
     p.add_argument("--val-synsets", help="with the devkit ground truth: wnids in ILSVRC id order")
-    p.add_argument("--train-per-class", type=positive_int,
-                   help="fashion-mnist: images per class in train (all if unset)")
-    p.add_argument("--val-per-class", type=positive_int, help="fashion-mnist: images per class in val (all if unset)")
-    p.set_defaults(func=_cmd_prep)
+    p.set_defaults(fmt=fmt, func=_cmd_convert)
+
+
+def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
+    parsers = {}
+    p = parsers["ffcv"] = prep_sub.add_parser("ffcv", help="ImageNet-style tree -> FFCV .beton files",
+                                              description="Convert to FFCV: one .beton per split, images re-encoded.")
+    _convert_options(p, "ffcv")
+    p.add_argument("--max-resolution", type=positive_int, default=384,
+                   help="max image side in pixels (see data_prep/convert.py)")
+    p.add_argument("--jpeg-quality", type=int_between(1, 100), default=90, help="JPEG quality of re-encoded images, 1..100")
+    p.add_argument("--write-mode", default="jpg", choices=["jpg", "raw", "proportion", "smart"],
+                   help="how FFCV stores images (raw: no re-encoding, several times the disk)")
+    p = parsers["wds"] = prep_sub.add_parser("wds", help="ImageNet-style tree -> WebDataset tar shards",
+                                             description="Convert to WebDataset: tar shards of the original JPEG bytes.")
+    _convert_options(p, "wds")
+    p.add_argument("--shard-size", type=positive_int, default=1000, help="samples per shard")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed before sharding")
+    p = parsers["verify"] = prep_sub.add_parser("verify", help="re-read a prepared folder, compare it to its manifest",
+                                                description="Re-read every file of DIR and compare it with DIR's "
+                                                            "manifest.json; with --src, also the source tree.")
+    p.add_argument("dir", metavar="DIR", help="the prepared folder (a `prep ffcv` or `prep wds` output)")
+    p.add_argument("--src", help="the source tree DIR was converted from: also check that the manifest has its "
+                                 "classes and accounts for every one of its images (written or listed as skipped)")
+    p.set_defaults(func=_cmd_verify)
+    p = parsers["fashion-mnist"] = prep_sub.add_parser(
+        "fashion-mnist", help="build the embedded Fashion-MNIST ImageFolder tree (Debian's dataset-fashion-mnist)")
+    p.add_argument("--out", required=True, help="folder for the tree (train/ and val/ class folders)")
+    p.add_argument("--train-per-class", type=positive_int, help="images per class in train (all if unset)")
+    p.add_argument("--val-per-class", type=positive_int, help="images per class in val (all if unset)")
+    p.set_defaults(func=_cmd_fashion_mnist)
+    return parsers
+
+
+def _refused_here(owners: str, kind: str):
+    """An option that other kinds of prep have and ``kind`` has not: refused, never silently ignored."""
+    class OtherKinds(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
+                             help=argparse.SUPPRESS)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            raise argparse.ArgumentError(self, f"is an option of `prep {owners}`, not of `prep {kind}` "
+                                               f"(its options: convit-scale prep {kind} --help)")
+
+    return OtherKinds
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prep", help="convert an ImageNet-style tree to FFCV or WebDataset, or verify the output",
+                       description="Convert once, train many times. Each kind has its own options: "
+                                   "convit-scale prep KIND --help.")
+    parsers = _add_kinds(p.add_subparsers(dest="kind", required=True, metavar="KIND"))
+    flags = {kind: {o for a in q._actions for o in a.option_strings} for kind, q in parsers.items()}
+    for kind, q in parsers.items():
+        for flag in sorted(set().union(*flags.values()) - flags[kind]):
+            owners = " / ".join(k for k in KINDS if flag in flags[k])
+            q.add_argument(flag, action=_refused_here(owners, kind))

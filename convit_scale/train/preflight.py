@@ -19,6 +19,7 @@ from ..config import Config, model_options
 from ..data import DataError, read_manifest
 from ..data.imagefolder import imagefolder_samples
 from ..imagetree import PrepError, list_classes
+from ..metrics import check_log_backends
 from ..models import create_model, read_state_dict
 from ..models.weights import check_state_dict, convert_state_dict
 from .checkpoint import check_compatible, latest_checkpoint, read_meta
@@ -47,11 +48,7 @@ def preflight(cfg: Config) -> None:
     for split, key in (("train", "train_path"), ("val", "val_path")):
         if getattr(d, key):
             _check_data(cfg, split, key, getattr(d, key))
-    if cfg.log.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as e:
-            raise ValueError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from e
+    check_log_backends(cfg.log)  # log.tensorboard / log.wandb without their package
     if cfg.model.pretrained:
         _check_pretrained(cfg.model)
     if cfg.checkpoint.resume != "none":

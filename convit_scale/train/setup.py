@@ -16,7 +16,7 @@ from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device
 from ..data.device_augment import config_of as device_augment_config
 from ..data.transforms import build_mixup
-from ..metrics import MetricsWriter
+from ..metrics import MetricsWriter, wandb_options
 from ..models import MODELS, create_model, load_pretrained
 from ..models.weights import check_state_dict, convert_state_dict, read_state_dict
 from ..parallel import Strategy, build_strategy, preload
@@ -165,7 +165,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     on_device = train_loader.spec.augment_on_device
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
               criterion, build_mixup(cfg.data, cfg.model.num_classes),
-              MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step), stop,
+              MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step,
+                            wandb=wandb_options(cfg.log, cfg.run.output_dir, cfg.to_dict())), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher,
               device_augment=device_augment_config(cfg.data) if on_device else None)
     if teacher is not None:

@@ -1,0 +1,47 @@
+"""Which format a data location holds, read from the location itself: a `convit-scale prep` output says so in
+its manifest.json; an ImageFolder tree is a folder whose train/ holds class folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .faults import DataError
+
+FORMATS = ("ffcv", "wds", "imagefolder")
+
+
+def detect_format(location: str) -> str:
+    """``manifest.json``'s format (a local folder, or a WebDataset URL template with ``{name}``), else
+    ``imagefolder`` for an ImageNet-style tree (``train/<class>/``). Anything else is a DataError naming the
+    location and what was looked for."""
+    from .wds import read_manifest
+
+    local = "{name}" not in location
+    if local and not Path(location).is_dir():
+        raise DataError(f"{location}: not a folder; allowed: a `convit-scale prep` output (with manifest.json), an "
+                        f"ImageFolder root (train/ and val/ class folders) or a WebDataset URL template with {{name}}")
+    if local and not (Path(location) / "manifest.json").is_file():
+        train = Path(location) / "train"
+        if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
+            return "imagefolder"
+        raise DataError(f"{location}: neither a `convit-scale prep` output (no manifest.json) nor an ImageFolder "
+                        f"root (no class folders in train/); name the format with --format {'|'.join(FORMATS)}")
+    fmt = read_manifest(location).get("format")
+    if fmt not in ("ffcv", "wds"):
+        raise DataError(f"{location}: manifest.json names format {fmt!r}; allowed: ffcv or wds")
+    return fmt
+
+
+def class_names(location: str, fmt: str) -> list[str] | None:
+    """The class of each label (ImageNet wnids): the manifest's, or the sorted train folders of an ImageFolder
+    root; None when the location does not say."""
+    if fmt == "imagefolder":
+        from ..imagetree import list_classes
+
+        return list_classes(Path(location) / "train")
+    from .wds import read_manifest
+
+    try:
+        return read_manifest(location).get("classes")
+    except DataError:
+        return None

@@ -1,0 +1,108 @@
+"""slurm/train.sh, slurm/prep.sh and the site hook (slurm/site_hook.sh) on the real local Slurm cluster: any recipe
+into its own run.output_dir, the site's settings and network variables reaching every rank, the conversion job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO, records, tiny_recipe
+from slurm_cluster import LocalSlurm, missing_requirements
+
+CPU_SBATCH = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=15"]
+VENV_PY = os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = missing_requirements()
+    if why:
+        pytest.fail(f"cannot start the local Slurm cluster: {why}")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2).start()
+    yield cluster
+    cluster.stop()
+
+
+def _bash(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "slurm" / script)], capture_output=True, text=True, cwd=REPO,
+                          env={"PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": str(REPO), **env}, timeout=60)
+
+
+@pytest.mark.parametrize("script,env,error", [
+    ("train.sh", {}, "error: RECIPE is not set; allowed: a recipe file, e.g. RECIPE=recipes/table3/"
+                     "convit_small_plus_b_full.yaml sbatch slurm/train.sh"),
+    ("train.sh", {"RECIPE": "r.yaml", "SITE_SCRIPT": "/nonexistent/site.sh"},
+     "error: SITE_SCRIPT=/nonexistent/site.sh is not a file; allowed: a bash file of site settings"),
+    ("prep.sh", {"SRC": "s", "OUT": "o"}, "error: FORMAT= is not allowed; allowed: ffcv or wds"),
+    ("prep.sh", {"FORMAT": "ffcv", "OUT": "o"}, "error: SRC is not set"),
+    ("prep.sh", {"FORMAT": "wds", "SRC": "s", "OUT": "o", "VERIFY": "yes"}, "error: VERIFY=yes is not allowed"),
+])
+def test_scripts_refuse_missing_settings_before_anything_runs(script, env, error, tmp_path):
+    res = _bash(script, tmp_path, **env)
+    assert res.returncode == 2 and res.stdout == "", res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(error), lines
+
+
+def test_every_shipped_recipe_has_a_run_folder_of_its_own():
+    """One run folder per recipe: what the Slurm scripts use by default, as `convit-scale train` does."""
+    from convit_scale.config import load_config
+
+    recipes = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.parent.name not in ("accelerate", "base"))
+    folders = [load_config(str(p), []).run.output_dir for p in recipes]
+    assert len(recipes) >= 39 and len(set(folders)) == len(folders)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, fm_tree, tmp_path):
+    """No OUTPUT_DIR: the run folder is the recipe's run.output_dir (it was runs/<job name>, where a Table 3
+    recipe submitted with a Table 1 script found Table 1's checkpoints). The site file's exported network settings
+    reach every rank (gloo really binds to GLOO_SOCKET_IFNAME=lo here) and its SRUN_ARGS reach the step."""
+    out = tmp_path / "runs" / "table3" / "b_10pct"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"max_steps": 2})
+    seen = tmp_path / "ranks.txt"
+    wrapper = tmp_path / "python.sh"  # PYTHON: records what each process of a step was given, then runs python
+    wrapper.write_text(f"#!/bin/bash\n[ -n \"${{SLURM_STEP_ID:-}}\" ] && echo \"step=$SLURM_STEP_ID "
+                       f"rank=$SLURM_PROCID gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}}\" >> {seen}\n"
+                       f"exec {VENV_PY} \"$@\"\n")
+    wrapper.chmod(0o755)
+    site = tmp_path / "site.sh"
+    site.write_text(f"export GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo\nSRUN_ARGS=--label\nPYTHON={wrapper}\n")
+    log = tmp_path / "job.out"
+    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "train.sh"),
+                       env={"RECIPE": str(recipe), "SITE_SCRIPT": str(site), "MASTER_ADDR": "127.0.0.1"}, cwd=REPO)
+    info = slurm.wait_job(job, timeout=300)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert f"output {out} (the recipe's run.output_dir)" in text
+    assert f"== site settings: {site}; srun options: --label" in text
+    assert "== network settings passed to the ranks: GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo" in text
+    assert "0: " in text and "1: " in text  # srun --label: each rank's lines carry its number
+    assert [r["step"] for r in records(out)] == [1, 2]
+    ranks = [line.split() for line in seen.read_text().splitlines()]
+    step = next(r[0] for r in ranks if r[1] == "rank=1")  # the training step: the one with two tasks
+    training = [r for r in ranks if r[0] == step]
+    assert sorted(r[1] for r in training) == ["rank=0", "rank=1"], ranks
+    assert all(r[2:] == ["gloo=lo", "nccl=lo"] for r in training), ranks
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_prep_sh_converts_with_the_jobs_cpus_and_verifies(slurm, fm_tree, tmp_path):
+    out = tmp_path / "wds"
+    log = tmp_path / "prep.out"
+    job = slurm.sbatch("--cpus-per-task=2", "--time=15", f"--output={log}", str(REPO / "slurm" / "prep.sh"),
+                       env={"FORMAT": "wds", "SRC": str(fm_tree), "OUT": str(out), "PREP_ARGS": "--shard-size 300",
+                            "PYTHON": VENV_PY}, cwd=REPO)
+    info = slurm.wait_job(job, timeout=300)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert "wds, 2 CPUs" in text
+    assert f"verified {out}: every file matches the manifest, and the manifest matches {fm_tree}" in text
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["workers"] == 2 and manifest["options"]["shard_size"] == 300
+    assert manifest["splits"]["train"]["num_samples"] == 1000
