@@ -47,7 +47,12 @@ def _shared_plan(tmp, fm_tree) -> list[dict]:
         recipe = tiny_recipe(tmp / f"{name}.yaml", "imagefolder", fm_tree, tmp / name, **sections)
         return {"recipe": recipe, "env": env or {}, "overrides": list(overrides), "name": name}
 
-    plan = [run(f"match-{k}", model=EXACT, data={**NO_MIX, "micro_batch_size": micro},
+    # first: the live-tensor count walks the whole process, and a ZeRO engine is freed only when the next one starts
+    plan = [run(f"memory-{s}", model={"name": "convit_tiny", "img_size": 32}, data={"global_batch_size": 4},
+                 parallel={"strategy": s, **({"zero_bucket_elements": 100_000} if s == "zero3" else {})},
+                 schedule={"max_steps": 2}, checkpoint={"every_steps": 100}, log={"debug_memory": True})
+             for s in ("fsdp2", "zero3")]
+    plan += [run(f"match-{k}", model=EXACT, data={**NO_MIX, "micro_batch_size": micro},
                 parallel=p, schedule={"max_steps": 4}) for k, (p, micro) in MATCH.items()]
     plan += [run(f"low-{s}-{p}", model=EXACT, data=NO_MIX, parallel={"strategy": s, "precision": p},
                  optim={"grad_clip": 0.5}, checkpoint={"every_steps": 1, "keep_last": 2}, schedule={"max_steps": 4})
@@ -61,10 +66,6 @@ def _shared_plan(tmp, fm_tree) -> list[dict]:
     plan += [run("policy-skip", env={"CONVIT_SCALE_NAN_AT_STEP": "1"}, schedule={"max_steps": 4}),
              run("policy-stop", env={"CONVIT_SCALE_NAN_AT_STEP": "2"}, schedule={"max_steps": 6},
                  run={"nonfinite_policy": "stop"}, checkpoint={"every_steps": 1, "keep_last": 5})]
-    plan += [run(f"memory-{s}", model={"name": "convit_tiny", "img_size": 32}, data={"global_batch_size": 4},
-                 parallel={"strategy": s, **({"zero_bucket_elements": 100_000} if s == "zero3" else {})},
-                 schedule={"max_steps": 2}, checkpoint={"every_steps": 100}, log={"debug_memory": True})
-             for s in ("fsdp2", "zero3")]
     plan += [run("export", parallel={"strategy": "zero3"}, schedule={"max_steps": 2}),
              run("resharded", model=EXACT, data=NO_MIX, schedule={"max_steps": 2}),
              run("analysis-two", model=EXACT, data=NO_MIX, parallel={"strategy": "ddp"}, schedule={"max_steps": 3})]

@@ -115,6 +115,10 @@ class Strategy:
     def train(self, mode: bool = True) -> None:
         self.wrapped.train(mode)
 
+    def close(self) -> None:
+        """Release what the wrapper holds beyond the run (hooks, buffers), so that a next run in the same process
+        starts clean."""
+
     # -- state ---------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
         raise NotImplementedError

@@ -195,9 +195,7 @@ class ZeroStrategy(Strategy):
         inner = [optimizer] + [o for o in (getattr(self.optimizer, "backup_optimizer", None),) if o is not None]
         self._gate = _OptimizerGate(inner)
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for param in self.module.parameters():
-            if param.requires_grad:
-                param.register_hook(self._count)
+        self._hooks = [param.register_hook(self._count) for param in self.module.parameters() if param.requires_grad]
 
     def _count(self, grad: torch.Tensor) -> None:
         self._grad_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).double().square()
@@ -233,6 +231,11 @@ class ZeroStrategy(Strategy):
         """DeepSpeed's global gradient norm of the last step taken (a host read: at log steps only)."""
         norm = self._engine.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._engine.destroy()  # DeepSpeed's engine otherwise outlives the run (its hooks and global registries)
 
     def set_lr(self, lr):
         for g in self._engine.optimizer.param_groups:

@@ -45,6 +45,7 @@ def train(cfg: Config) -> str:
             return fit(run, state)
         finally:
             run.metrics.close()
+            run.strategy.close()
     finally:
         stop.restore()
         if ctx.owns_group:
