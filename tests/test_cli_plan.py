@@ -68,11 +68,15 @@ def test_plan_of_the_4x8_job(one_cpu, capsys):
            "parallel.reshard_after_forward=false)" in out and "the recipe's fsdp2:" in out
 
 
-def test_the_multi_node_slurm_jobs_run_the_recommended_layout():
+def test_the_multi_node_slurm_jobs_run_the_recommended_layout(capsys):
     """Every multi-node job of slurm/ (Tables 1 and 4) at its script's shape on H200 nodes runs the layout the
-    planner recommends: its recipe's own (convit-scale plan --slurm-jobs lists them all)."""
+    planner recommends: its recipe's own; `plan --slurm-jobs` lists them all."""
+    assert main(["plan", "--slurm-jobs", "--gpu", "h200-141gb"]) == 0
+    out = capsys.readouterr().out
+    assert "The Slurm jobs on h200-141gb" in out and "the teacher's forward is not in the compute" in out
     jobs = [j for j in slurm_jobs() if j.nodes > 1 and j.recipe.startswith(("recipes/table1/", "recipes/table4/"))]
     assert len(jobs) == 8 and {j.nodes for j in jobs} == {2, 4}
+    assert all(j.script.name in out for j in slurm_jobs())
     for job in jobs:
         rows = plan(load_config(job.recipe), job.nodes, job.gpus_per_node, "h200-141gb",
                     cpus_per_gpu=job.cpus_per_task)

@@ -150,8 +150,8 @@ def _time_table(rows: list[dict], title: str) -> None:
 
     from ..console import console
 
-    t = Table(title=title, caption="comm: each GPU's collectives end to end, of which bandwidth (NVLink | network) and "
-                                   "latency; exposed: what compute does not hide; GB: sent + received per GPU")
+    t = Table(title=title, caption="comm: a GPU's collectives end to end: bandwidth (NVLink | network) and latency; "
+                                   "exposed: not hidden by compute; GB: sent + received")
     for col in ("layout", "compute", "comm", "bandwidth", "latency", "exposed", "GB intra | inter", "loader",
                 "bound by", "step", "GPU-hours", "wall-clock h"):
         t.add_column(col, justify="left" if col == "layout" else "right")
