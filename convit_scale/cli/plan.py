@@ -87,7 +87,7 @@ def _cmd_plan(args) -> int:
     nodes = args.nodes or (job.nodes if job else 1)
     gpus = args.gpus_per_node or (job.gpus_per_node if job else 8)
     cpus, cpus_from = cpus_per_gpu(args.cpus_per_gpu, job)
-    if job and not (args.nodes and args.gpus_per_node):
+    if job and not args.nodes and not args.gpus_per_node:
         print(f"the job's shape from slurm/{job.script.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
     _print_plan(cfg, args, nodes, gpus, links, cpus)
     _print_links(args.gpu, links)
