@@ -215,7 +215,7 @@ class Layout:
     @classmethod
     def of(cls, p: ParallelConfig) -> "Layout":
         if p.strategy != "fsdp2":
-            return cls("ddp" if p.strategy == "none" else p.strategy)
+            return cls(p.strategy)
         return cls("fsdp2", p.reshard_after_forward, p.hsdp_replicas)
 
     def name(self, world: int) -> str:
