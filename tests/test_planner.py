@@ -1,7 +1,6 @@
 """The planner's memory model against the memory the engine measures on CPU (same configuration)."""
 
 import math
-import os
 import re
 
 import pytest
@@ -15,8 +14,9 @@ from convit_scale.planner import model_facts, plan
 
 def test_plan_table_shapes_and_sharding():
     cfg = load_config("recipes/table1/convit_base_plus.yaml")
-    rows = {r["strategy"]: r for r in plan(cfg, nodes=2, gpus_per_node=8, gpu="h100-80gb")}
-    assert set(rows) == {"ddp", "fsdp2", "zero1", "zero2", "zero3"}
+    rows = {r["layout"]: r for r in plan(cfg, nodes=2, gpus_per_node=8, gpu="h100-80gb")}
+    assert set(rows) == {"ddp", "fsdp2", "fsdp2 no-reshard", "hsdp 2x8", "hsdp 2x8 no-reshard", "zero1", "zero2",
+                         "zero3"}
     # full sharding needs less state per GPU than replication
     assert rows["zero3"]["optimizer_gib"] < rows["ddp"]["optimizer_gib"] / 10
     assert rows["fsdp2"]["total_gib"] < rows["zero1"]["total_gib"] < rows["ddp"]["total_gib"]
@@ -40,7 +40,7 @@ def test_memory_model_matches_engine_on_cpu(fm_tree, tmp_path, strategy):
     assert res.returncode == 0, res.stderr[-3000:]
     last = records(tmp_path / "out")[-1]
     measured = max(last["peak_mem_mb"]) - last["base_mem_mb"]
-    (row,) = plan(load_config(r), nodes=1, gpus_per_node=2, gpu="cpu", strategies=(strategy,))
+    (row,) = plan(load_config(r), nodes=1, gpus_per_node=2, gpu="cpu", layouts=(strategy,))
     assert row["micro_batch"] == 32
     if strategy == "zero3":
         # RSS also holds ~0.2 GB of DeepSpeed's own per-process overhead on CPU (not tensors, not model
@@ -120,13 +120,13 @@ def test_planner_reads_the_engines_zero_sizes():
     """zero3's buffers in the plan are the engine's: DeepSpeed's on a GPU, a tenth of the model on CPU."""
     cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3"])
     P = model_facts(cfg).params
-    (gpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", strategies=("zero3",))
-    (cpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="cpu", strategies=("zero3",))
+    (gpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", layouts=("zero3",))
+    (cpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="cpu", layouts=("zero3",))
     assert math.isclose(gpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * 5e8)  # bf16 ipg bucket of 5e8 elements
     assert math.isclose(cpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * int(P / 10))
     cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3",
                                                                 "parallel.zero_bucket_elements=1000000"])
-    (small,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", strategies=("zero3",))
+    (small,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", layouts=("zero3",))
     assert math.isclose(small["grads_gib"] * 2**30, 2 * P / 8 + 2 * 1e6)
 
 
@@ -155,17 +155,3 @@ def test_plan_command_warns_when_the_loader_is_slower():
                   "1", env={"SLURM_CPUS_PER_TASK": "100000"})
     assert res.returncode == 0 and "100000 CPU cores per GPU" in res.stdout
     assert "the GPUs are slower than the loader" in res.stdout and "warning" not in res.stdout
-
-
-def test_default_cpus_per_gpu_are_the_ones_this_process_may_use(monkeypatch):
-    """Without Slurm's CPUs per task, the planner shares the CPUs of the process's affinity (a cgroup, taskset), not
-    the node's."""
-    from convit_scale.cli.plan import _default_cpus_per_gpu
-
-    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(allowed)})
-    try:
-        assert _default_cpus_per_gpu(1) == 1 and _default_cpus_per_gpu(2) == 0.5
-    finally:
-        os.sched_setaffinity(0, allowed)

@@ -1,75 +1,255 @@
-"""``convit-scale plan``: memory per GPU, micro-batch, step time and GPU-hours per strategy for a recipe
-(the model of memory and time is convit_scale/planner.py)."""
+"""``convit-scale plan``: memory, communication and time per GPU for each layout of a recipe's job, and the layout to
+run (the model is convit_scale/planner.py); ``--slurm-jobs``: the layout each Slurm script's job runs against it.
+
+The job's shape (nodes, GPUs per node, CPU cores per GPU) defaults to the Slurm script that runs the recipe
+(slurm/*.sh, ``RECIPE=${RECIPE:-...}``), and its CPU cores to ``SLURM_CPUS_PER_TASK`` inside a Slurm allocation:
+never the cores of the machine the plan runs on (a login node, a laptop).
+"""
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from .argtypes import fraction, positive_float, positive_int, recipe
 
 
+@dataclass(frozen=True)
+class SlurmJob:
+    script: Path
+    recipe: str  # as the script names it: recipes/table1/convit_base_plus.yaml
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int
+
+
+def _sbatch(text: str, option: str, default: int) -> int:
+    m = re.search(rf"^#SBATCH\s+--{option}=(\d+)", text, re.MULTILINE)
+    return int(m.group(1)) if m else default
+
+
+def slurm_jobs(folder: Path | None = None) -> list[SlurmJob]:
+    """The jobs of slurm/*.sh: each script's recipe and its #SBATCH shape (the checkout's slurm/, else ./slurm)."""
+    if folder is None:
+        folder = Path(__file__).resolve().parents[2] / "slurm"
+        folder = folder if folder.is_dir() else Path("slurm")
+    jobs = []
+    for script in sorted(folder.glob("*.sh")):
+        text = script.read_text()
+        m = re.search(r"RECIPE=\$\{RECIPE:-([^}]+)\}", text)
+        if m:
+            jobs.append(SlurmJob(script, m.group(1), _sbatch(text, "nodes", 1),
+                                 _sbatch(text, "gpus-per-node", _sbatch(text, "ntasks-per-node", 1)),
+                                 _sbatch(text, "cpus-per-task", 1)))
+    return jobs
+
+
+def _tail(path: str | Path) -> tuple[str, ...]:
+    """A recipe's path from its `recipes` folder on (the checkout's and the installed package's are the same)."""
+    parts = Path(path).parts
+    return parts[len(parts) - 1 - parts[::-1].index("recipes"):] if "recipes" in parts else parts
+
+
+def slurm_job_of(recipe_path: str) -> SlurmJob | None:
+    """The Slurm script that runs this recipe, if one does."""
+    return next((j for j in slurm_jobs() if _tail(j.recipe) == _tail(Path(recipe_path).resolve())), None)
+
+
+def cpus_per_gpu(flag: float | None, job: SlurmJob | None) -> tuple[float | None, str]:
+    """The loader's CPU cores per GPU and where they come from: the flag, the Slurm allocation this runs in
+    (``SLURM_CPUS_PER_TASK``, one task per GPU), the recipe's Slurm script, else none."""
+    if flag:
+        return flag, "--cpus-per-gpu"
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK")
+    if slurm:
+        try:
+            return float(slurm), "SLURM_CPUS_PER_TASK"
+        except ValueError:
+            raise ValueError(f"SLURM_CPUS_PER_TASK = {slurm!r} is not a number; pass --cpus-per-gpu N") from None
+    if job is not None:
+        return float(job.cpus_per_task), f"--cpus-per-task of {job.script.name}"
+    return None, ""
+
+
 def _cmd_plan(args) -> int:
-    from ..console import print_table
-    from rich.table import Table
-
     from ..config import load_config
-    from ..planner import loader_check, plan
+    from ..planner import Links
 
+    links = Links.of(args.gpu, args.intra_gbytes_per_s, args.inter_gbytes_per_s)
+    if args.slurm_jobs:
+        if args.nodes or args.gpus_per_node:
+            raise ValueError("--nodes / --gpus-per-node are not allowed with --slurm-jobs: each job has its script's")
+        return _slurm_jobs_table(args, links)
     cfg = load_config(args.recipe, args.overrides)
-    rows = plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
-    world = args.nodes * args.gpus_per_node
-    t = Table(title=f"{cfg.model.name} on {args.nodes} x {args.gpus_per_node} {args.gpu}, global batch "
-                    f"{cfg.data.global_batch_size}, {cfg.parallel.precision}, MFU {args.mfu:.0%} (estimates)")
-    for col in ("strategy", "params", "grads", "optim", "activations", "total GiB/GPU", "max micro", "micro x accum",
-                "step (s)", "GPU-hours", "wall-clock (h)"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(r["strategy"], f"{r['params_gib']:.2f}", f"{r['grads_gib']:.2f}", f"{r['optimizer_gib']:.2f}",
-                  "-" if r["activations_gib"] is None else f"{r['activations_gib']:.2f}", f"{r['total_gib']:.2f}",
-                  str(r["max_micro_batch"]),
-                  "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}",
-                  f"{r['step_s']:.3f}", f"{r['gpu_hours']:.0f}", f"{r['wall_clock_h']:.1f}")
-    print_table(t)  # folded to the terminal's width, names whole
+    job = slurm_job_of(args.recipe)
+    nodes = args.nodes or (job.nodes if job else 1)
+    gpus = args.gpus_per_node or (job.gpus_per_node if job else 8)
+    cpus, cpus_from = cpus_per_gpu(args.cpus_per_gpu, job)
+    if job and not args.nodes and not args.gpus_per_node:
+        print(f"the job's shape from slurm/{job.script.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
+    _print_plan(cfg, args, nodes, gpus, links, cpus)
+    _print_links(args.gpu, links)
+    _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
+    return 0
+
+
+def _print_plan(cfg, args, nodes: int, gpus: int, links, cpus) -> None:
+    from ..planner import plan, recommend
+
+    rows = plan(cfg, nodes, gpus, args.gpu, args.mfu, links=links, cpus_per_gpu=cpus)
+    title = (f"{cfg.model.name} on {nodes} x {gpus} {args.gpu}, global batch {cfg.data.global_batch_size}, "
+             f"{cfg.parallel.precision}, MFU {args.mfu:.0%} (estimates)")
+    _memory_table(rows, f"Memory per GPU (GiB): {title}")
+    _time_table(rows, f"Time per step (ms): {title}")
+    world = nodes * gpus
     if cfg.data.global_batch_size % world:
         print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
-    cpus = args.cpus_per_gpu or _default_cpus_per_gpu(args.gpus_per_node)
+    best, own = recommend(rows), next(r for r in rows if r["recipe_layout"])
+    if best is None:
+        print("recommended: none: no layout fits in memory (more GPUs, or parallel.activation_checkpointing=true)")
+    elif best is own:
+        print(f"recommended: {best['layout']}, the recipe's layout: {best['step_s'] * 1e3:.1f} ms per step, bound by "
+              f"{best['bound_by']}")
+    else:
+        theirs = "does not fit" if own["micro_batch"] is None else f"{own['step_s'] * 1e3:.1f} ms"
+        print(f"recommended: {best['layout']} ({' '.join(best['overrides'])}): {best['step_s'] * 1e3:.1f} ms per step, "
+              f"bound by {best['bound_by']}; the recipe's {own['layout']}: {theirs}")
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _memory_table(rows: list[dict], title: str) -> None:
+    from rich.table import Table
+    from ..console import print_table
+
+
+    t = Table(title=title)
+    for col in ("layout", "params", "grads", "optim", "activations", "total", "max micro", "micro x accum"):
+        t.add_column(col, justify="left" if col == "layout" else "right")
+    for r in rows:
+        t.add_row(_name(r), _gib(r["params_gib"]), _gib(r["grads_gib"]), _gib(r["optimizer_gib"]),
+                  _gib(r["activations_gib"]), _gib(r["total_gib"]), str(r["max_micro_batch"]),
+                  "does not fit" if r["micro_batch"] is None else f"{r['micro_batch']} x {r['grad_accumulation']}")
+    print_table(t)  # folded to the terminal's width, names whole
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _name(r: dict) -> str:
+    return f"{r['layout']} (recipe)" if r["recipe_layout"] else r["layout"]
+
+
+def _time_table(rows: list[dict], title: str) -> None:
+    from rich.table import Table
+    from ..console import print_table
+
+
+    t = Table(title=title, caption="comm: a GPU's collectives end to end: bandwidth (NVLink | network) and latency; "
+                                   "exposed: not hidden by compute; GB: sent + received")
+    for col in ("layout", "compute", "comm", "bandwidth", "latency", "exposed", "GB intra | inter", "loader",
+                "bound by", "step", "GPU-hours", "wall-clock h"):
+        t.add_column(col, justify="left" if col == "layout" else "right")
+    for r in rows:
+        fits = r["micro_batch"] is not None
+        t.add_row(_name(r), _ms(r["compute_s"]), _ms(r["comm_s"]), f"{_ms(r['intra_s'])} | {_ms(r['inter_s'])}",
+                  _ms(r["latency_s"]), _ms(r["exposed_s"]),
+                  f"{r['intra_bytes'] / 1e9:.2f} | {r['inter_bytes'] / 1e9:.2f}", _ms(r["loader_s"]), r["bound_by"],
+                  _ms(r["step_s"]) if fits else "-", f"{r['gpu_hours']:.0f}" if fits else "-",
+                  f"{r['wall_clock_h']:.1f}" if fits else "-")
+    print_table(t)  # folded to the terminal's width, names whole
+
+
+def _print_links(gpu: str, links) -> None:
+    from ..hardware import GPUS
+
+    g = GPUS[gpu]
+    print(f"links per GPU, one direction: {g.intra_link} {links.intra_gbytes_s:g} GB/s, network "
+          f"{links.inter_gbytes_s:g} GB/s (data sheet: {g.intra_gbytes_s:g} and {g.inter_gbytes_s:g}; "
+          f"--intra-gbytes-per-s / --inter-gbytes-per-s take a cluster's nccl-tests busbw)")
+
+
+def _print_loader(cfg, args, world: int, cpus: float | None, cpus_from: str) -> None:
+    from ..planner import loader_check
+
+    if cpus is None:
+        print("loader: not checked: no Slurm script runs this recipe and this is no Slurm allocation; "
+              "pass --cpus-per-gpu N (the job's CPU cores per GPU)")
+        return
     lc = loader_check(cfg, args.gpu, cpus, args.mfu, world)
-    print(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (step {lc['step_s']:.3f} s); "
-          f"{cpus:g} CPU cores per GPU give {lc['loader_images_per_s']:,.0f} images/s ({lc['format']}, "
-          f"{lc['cpu_ms_per_image']:.2f} CPU ms per image, augmentation on the {lc['augment_on']})")
+    print(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (compute {lc['step_s']:.3f} s per step); "
+          f"{cpus:g} CPU cores per GPU ({cpus_from}) give {lc['loader_images_per_s']:,.0f} images/s "
+          f"({lc['format']}, {lc['cpu_ms_per_image']:.2f} CPU ms per image, augmentation on the {lc['augment_on']})")
     if lc["bottleneck"] == "loader":
         print(f"warning: the loader is slower than the GPUs ({lc['loader_images_per_s'] / lc['gpu_images_per_s']:.2f}x "
               f"of what they need): more CPU cores per GPU, data.format=ffcv, or data.augment_on=device")
     else:
         print("the GPUs are slower than the loader: it is not the bottleneck")
+
+
+def _slurm_jobs_table(args, links) -> int:
+    """One row per Slurm script: its job's shape, the layout it runs and the planner's, with that layout's figures."""
+    from rich.table import Table
+    from ..console import print_table
+
+    from ..config import load_config
+    from ..planner import plan, recommend
+
+    t = Table(title=f"The Slurm jobs on {args.gpu}, MFU {args.mfu:.0%} (estimates; figures of the recommended layout)")
+    for col in ("script", "nodes x GPUs", "layout (recipe)", "recommended", "compute ms", "comm ms", "exposed ms",
+                "loader ms", "bound by", "step ms", "wall-clock h", "GPU-hours"):
+        t.add_column(col, justify="left" if col in ("script", "layout (recipe)", "recommended") else "right")
+    distilled = []
+    for job in slurm_jobs():
+        cfg = load_config(job.recipe, args.overrides)
+        cpus, _ = cpus_per_gpu(args.cpus_per_gpu, job)
+        rows = plan(cfg, job.nodes, job.gpus_per_node, args.gpu, args.mfu, links=links, cpus_per_gpu=cpus)
+        best, own = recommend(rows), next(r for r in rows if r["recipe_layout"])
+        if cfg.distill.enabled:
+            distilled.append(job.script.name)
+        t.add_row(job.script.name, f"{job.nodes} x {job.gpus_per_node}", own["layout"],
+                  "none fits" if best is None else ("same" if best is own else best["layout"]),
+                  *(["-"] * 8 if best is None else
+                    [_ms(best["compute_s"]), _ms(best["comm_s"]), _ms(best["exposed_s"]), _ms(best["loader_s"]),
+                     best["bound_by"], _ms(best["step_s"]), f"{best['wall_clock_h']:.1f}", f"{best['gpu_hours']:.0f}"]))
+    print_table(t)  # folded to the terminal's width, names whole
+    _print_links(args.gpu, links)
+    if distilled:
+        print(f"note: {', '.join(distilled)}: the teacher's forward is not in the compute")
     return 0
 
 
-def _default_cpus_per_gpu(gpus_per_node: int) -> float:
-    """Slurm's CPUs per task (one task per GPU) when set, else the CPUs this process may use shared by the GPUs."""
-    from ..hardware import usable_cpus
-
-    slurm = os.environ.get("SLURM_CPUS_PER_TASK")
-    if not slurm:
-        return usable_cpus() / gpus_per_node
-    try:
-        return float(slurm)
-    except ValueError:
-        raise SystemExit(f"error: SLURM_CPUS_PER_TASK = {slurm!r} is not a number; pass --cpus-per-gpu N") from None
-
-
 def register(sub) -> None:
-    from ..hardware import GPUS
+    from ..hardware import GPUS, LINK_EFFICIENCY
 
-    p = sub.add_parser("plan", help="memory per GPU, micro-batch, step time and GPU-hours for a recipe")
-    p.add_argument("--recipe", required=True, type=recipe,
-                   help="a recipe file or a shipped recipe's name (recipes/table1/convit_base.yaml)")
-    p.add_argument("--nodes", type=positive_int, default=1, help="nodes (>= 1)")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (>= 1)")
+    p = sub.add_parser("plan", help="memory, communication and time per GPU for each layout of a recipe's job")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--recipe", type=recipe,
+                       help="a recipe file or a shipped recipe's name (recipes/table1/convit_base.yaml)")
+    which.add_argument("--slurm-jobs", action="store_true",
+                       help="every slurm/*.sh job at its shape: the layout it runs against the recommended one")
+    p.add_argument("--nodes", type=positive_int, default=None,
+                   help="nodes (>= 1; default: the recipe's Slurm script's, else 1)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs per node (>= 1; default: the recipe's Slurm script's, else 8)")
     p.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS), metavar="GPU",
-                   help=f"the GPU, for its memory and peak FLOP/s (convit_scale/hardware.py): {', '.join(sorted(GPUS))}")
-    p.add_argument("--mfu", type=fraction, default=0.4, help="assumed model FLOPs utilisation, in (0, 1]")
+                   help=f"the GPU, for its memory, peak FLOP/s and links (convit_scale/hardware.py): "
+                        f"{', '.join(sorted(GPUS))} (default: %(default)s)")
+    p.add_argument("--mfu", type=fraction, default=0.4,
+                   help="model FLOPs utilisation of the compute alone, in (0, 1]; communication is added to it")
     p.add_argument("--cpus-per-gpu", type=positive_float, default=None,
-                   help="CPU cores feeding each GPU's loader (> 0; default SLURM_CPUS_PER_TASK, else cores / GPUs)")
+                   help="CPU cores feeding each GPU's loader (> 0; default: SLURM_CPUS_PER_TASK inside an allocation, "
+                        "else the recipe's Slurm script's --cpus-per-task)")
+    p.add_argument("--intra-gbytes-per-s", type=positive_float, default=None,
+                   help="GB/s (bytes) each GPU moves to the others of its node, one direction (default: "
+                        f"{LINK_EFFICIENCY * 100:.0f}%% of the GPU's NVLink/xGMI/PCIe data sheet rate)")
+    p.add_argument("--inter-gbytes-per-s", type=positive_float, default=None,
+                   help="GB/s (bytes) each GPU moves to other nodes, one direction: its share of the node's NICs "
+                        f"(default: {LINK_EFFICIENCY * 100:.0f}%% of the reference node's NIC per GPU)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.global_batch_size=2048")
     p.set_defaults(func=_cmd_plan)

@@ -1,0 +1,85 @@
+"""``convit-scale plan``: the job's shape and CPU cores from its Slurm script (never the machine the plan runs on),
+the recommended layout, and the Slurm jobs on it."""
+
+import os
+
+import pytest
+
+from convit_scale.cli import main
+from convit_scale.cli.plan import cpus_per_gpu, slurm_job_of, slurm_jobs
+from convit_scale.config import load_config
+from convit_scale.planner import plan, recommend
+
+
+@pytest.fixture
+def one_cpu(monkeypatch):
+    """This process on one CPU and outside any Slurm allocation: a login node."""
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    yield
+    os.sched_setaffinity(0, allowed)
+
+
+def test_cpus_per_gpu_come_from_the_job_never_from_this_machine(one_cpu, monkeypatch):
+    job = slurm_job_of("recipes/table1/convit_tiny.yaml")
+    assert job.script.name == "convit_ti.sh" and (job.nodes, job.gpus_per_node, job.cpus_per_task) == (1, 8, 10)
+    assert cpus_per_gpu(None, job) == (10.0, "--cpus-per-task of convit_ti.sh")
+    assert cpus_per_gpu(3.0, job) == (3.0, "--cpus-per-gpu")
+    assert cpus_per_gpu(None, slurm_job_of("recipes/cpu/demo.yaml")) == (None, "")  # no script runs it: no guess
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")  # inside the job's allocation
+    assert cpus_per_gpu(None, job) == (6.0, "SLURM_CPUS_PER_TASK")
+
+
+def test_plan_without_a_job_does_not_check_the_loader(one_cpu, capsys):
+    assert main(["plan", "--recipe", "recipes/table2/deit_small_f0.1.yaml", "--gpu", "h200-141gb"]) == 0
+    out = capsys.readouterr().out
+    assert "loader: not checked: no Slurm script runs this recipe" in out and "job's shape" not in out
+    assert "1 x 8 h200-141gb" in out  # --nodes 1, --gpus-per-node 8 without a script
+
+
+def test_bad_slurm_cpus_and_flags_are_refused(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "ten")
+    assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: SLURM_CPUS_PER_TASK = 'ten' is not a number; pass --cpus-per-gpu N"
+    assert main(["plan", "--slurm-jobs", "--nodes", "2"]) == 2
+    assert "not allowed with --slurm-jobs" in capsys.readouterr().err
+    assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--inter-gbytes-per-s", "0"]) == 2
+    assert "--inter-gbytes-per-s: 0 is not allowed: must be > 0" in capsys.readouterr().err
+
+
+def test_plan_of_the_4x8_job(one_cpu, capsys):
+    """ConViT-B+ as `sbatch slurm/convit_b_plus.sh` runs it: 4 x 8 GPUs, 10 CPU cores each, whatever this machine has;
+    the recipe's layout is the recommended one, and the layout resharding after forward is slower."""
+    assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--gpu", "h200-141gb"]) == 0
+    out = capsys.readouterr().out
+    assert "the job's shape from slurm/convit_b_plus.sh: 4 node(s) x 8 GPUs" in out
+    assert "10 CPU cores per GPU (--cpus-per-task of convit_b_plus.sh)" in out
+    for layout in ("ddp", "fsdp2", "fsdp2 no-reshard (recipe)", "hsdp 4x8", "hsdp 4x8 no-reshard", "zero3"):
+        assert f"│ {layout} " in out
+    assert "recommended: fsdp2 no-reshard, the recipe's layout:" in out
+    assert "NVLink 4 360 GB/s, network 40 GB/s (data sheet: 450 and 50" in out
+    assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--gpu", "h200-141gb",
+                 "--inter-gbytes-per-s", "100", "parallel.reshard_after_forward=true"]) == 0
+    out = capsys.readouterr().out
+    assert "network 100 GB/s" in out  # with more network than the reference node's, HSDP's fewer ring steps win
+    assert "recommended: hsdp 4x8 no-reshard (parallel.strategy=fsdp2 parallel.hsdp_replicas=4 " \
+           "parallel.reshard_after_forward=false)" in out and "the recipe's fsdp2:" in out
+
+
+def test_the_multi_node_slurm_jobs_run_the_recommended_layout(capsys):
+    """Every multi-node job of slurm/ (Tables 1 and 4) at its script's shape on H200 nodes runs the layout the
+    planner recommends: its recipe's own; `plan --slurm-jobs` lists them all."""
+    assert main(["plan", "--slurm-jobs", "--gpu", "h200-141gb"]) == 0
+    out = capsys.readouterr().out
+    assert "The Slurm jobs on h200-141gb" in out and "the teacher's forward is not in the compute" in out
+    jobs = [j for j in slurm_jobs() if j.nodes > 1 and j.recipe.startswith(("recipes/table1/", "recipes/table4/"))]
+    assert len(jobs) == 8 and {j.nodes for j in jobs} == {2, 4}
+    assert all(j.script.name in out for j in slurm_jobs())
+    for job in jobs:
+        rows = plan(load_config(job.recipe), job.nodes, job.gpus_per_node, "h200-141gb",
+                    cpus_per_gpu=job.cpus_per_task)
+        best = recommend(rows)
+        own = [r["layout"] for r in rows if r["recipe_layout"]]
+        assert best["recipe_layout"], (job.script.name, best["layout"], own)
