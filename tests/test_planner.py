@@ -78,15 +78,20 @@ def test_zero_config_on_cpu_is_sized_from_the_model():
     assert cfg["train_batch_size"] == 16 and cfg["gradient_clipping"] == 1.0
 
 
-def test_zero_config_on_cuda_is_deepspeeds_own_defaults():
+def test_zero_config_on_cuda_is_deepspeeds_own_defaults_but_buckets_and_reduction_dtype():
+    """Buckets a tenth of the model (within 1e6-5e8), so that most of the gradient reduction overlaps the backward;
+    gradients reduced in fp32 as FSDP2's; everything else DeepSpeed's own GPU defaults."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    zero = _zero(device="cuda")["zero_optimization"]
+    cfg = _zero(device="cuda")
+    zero = cfg["zero_optimization"]
     ours, theirs = DeepSpeedZeroConfig(**zero), DeepSpeedZeroConfig(stage=3)
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "prefetch_bucket_size",
-                "param_persistence_threshold", "max_live_parameters", "max_reuse_distance", "sub_group_size"):
+    for key in ("overlap_comm", "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+                "max_reuse_distance", "sub_group_size"):
         assert getattr(ours, key) == getattr(theirs, key), key
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 2_100_000
     assert _zero(device="cuda", params=10**10)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+    assert cfg["communication_data_type"] == "fp32"
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -117,12 +122,12 @@ def test_bad_zero_keys_are_refused(override, needle):
 
 
 def test_planner_reads_the_engines_zero_sizes():
-    """zero3's buffers in the plan are the engine's: DeepSpeed's on a GPU, a tenth of the model on CPU."""
+    """zero3's buffers in the plan are the engine's: buckets of a tenth of the model on a GPU as on the CPU."""
     cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3"])
     P = model_facts(cfg).params
     (gpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", layouts=("zero3",))
     (cpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="cpu", layouts=("zero3",))
-    assert math.isclose(gpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * 5e8)  # bf16 ipg bucket of 5e8 elements
+    assert math.isclose(gpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * int(P / 10))  # bf16 ipg bucket, a tenth
     assert math.isclose(cpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * int(P / 10))
     cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3",
                                                                 "parallel.zero_bucket_elements=1000000"])
