@@ -24,12 +24,13 @@ It follows what the engine's strategies issue (checked against the bytes counted
 tests/test_planner_comm.py): FSDP2 all-gathers each block's parameters in the compute dtype in forward, again in
 backward when it reshards after forward, on every micro-batch, and reduce-scatters fp32 gradients on the last
 micro-batch only (``set_requires_gradient_sync``), HSDP all-reducing the shards across replicas after that; DDP
-all-reduces fp32 gradients (autocast keeps fp32 parameters) in 25 MiB buckets on the last micro-batch and broadcasts
-its buffers once a step; ZeRO-1/2 all-reduce each gradient bucket in DeepSpeed's communication dtype
+all-reduces fp32 gradients (autocast keeps fp32 parameters) in 25 MiB buckets on the last micro-batch (its buffers,
+deterministic, are not re-broadcast); ZeRO-1/2 all-reduce each gradient bucket in DeepSpeed's communication dtype
 (``communication_data_type``, else the precision's) at the accumulation boundary (ZeRO-2: every micro-batch) and
 all-gather the updated parameters after the optimizer step; ZeRO-3 all-gathers parameters in forward (keeping those
 it reuses within ``stage3_max_reuse_distance`` elements for backward) and reduce-scatters gradients every
-micro-batch.
+micro-batch. Every layout adds the engine's one packed all-reduce per step (``STEP_REDUCTION_BYTES``: the loss,
+non-finite flags, squared gradient norm, stop flag and replaced samples of ``train/step.py``), after backward.
 Collective model (NCCL's ring): a collective of B bytes over r ranks sends (and receives) B(r-1)/r per rank for an
 all-gather or reduce-scatter, 2B(r-1)/r for an all-reduce, B for a broadcast. Across k nodes of q ranks a ring enters
 and leaves each node once per channel, and the node's q NICs carry its channels: 1/q of a rank's bytes cross nodes,
@@ -92,8 +93,6 @@ class ModelFacts:
     root_params: int = 0
     """Parameters outside the blocks (patch embedding, tokens, position embedding, norm, head): FSDP2's root unit."""
     depth: int = 1
-    buffer_bytes: int = 0
-    """Module buffers (GPSA's relative positions): what DDP broadcasts once a step."""
     param_table: tuple[tuple[int, int, bool], ...] = ()
     """(elements, size of dim 0, in a block) of each parameter: FSDP2 and ZeRO-3 pad each to a multiple of the
     ranks sharding it."""
@@ -165,7 +164,6 @@ def _measure_model(name: str, options: dict, compute_bytes: int) -> ModelFacts:
         act_bytes_per_image=per_image,
         act_ckpt_bytes_per_image=per_image / depth + depth * block_input,
         root_params=params - in_blocks, depth=depth,
-        buffer_bytes=sum(b.numel() * 4 for b in model.buffers()),  # fp32 under DDP (autocast leaves the module fp32)
         param_table=tuple((p.numel(), p.shape[0] if p.dim() else 1, name.startswith("blocks."))
                           for name, p in model.named_parameters()),
     )
@@ -271,6 +269,10 @@ def zero_comm_bytes(p: ParallelConfig, params: int, device: str) -> int:
     return dtype_bytes(str(ds.get("communication_data_type") or p.precision).lower())
 
 
+STEP_REDUCTION_BYTES = 5 * 8
+"""The engine's packed all-reduce of a step: five float64 values (``train/step.py``'s ``StepTotals``)."""
+
+
 def step_collectives(p: ParallelConfig, facts: ModelFacts, nodes: int, gpus_per_node: int, accum: int,
                      device: str = "cuda") -> list[Collective]:
     """The collectives each rank takes part in during one optimizer step of ``accum`` micro-batches."""
@@ -278,19 +280,18 @@ def step_collectives(p: ParallelConfig, facts: ModelFacts, nodes: int, gpus_per_
     if world == 1:
         return []
     if p.strategy in ("ddp", "none"):
-        return _ddp_collectives(facts, world, nodes)
-    if p.strategy == "fsdp2":
-        return _fsdp2_collectives(p, facts, nodes, gpus_per_node, accum)
-    return _zero_collectives(p, facts, world, nodes, accum, device)
+        out = _ddp_collectives(facts, world, nodes)
+    elif p.strategy == "fsdp2":
+        out = _fsdp2_collectives(p, facts, nodes, gpus_per_node, accum)
+    else:
+        out = _zero_collectives(p, facts, world, nodes, accum, device)
+    return out + [Collective("all_reduce", STEP_REDUCTION_BYTES, 1, world, nodes, "after", 1)]
 
 
 def _ddp_collectives(f: ModelFacts, world: int, nodes: int) -> list[Collective]:
     grad = 4 * f.params  # fp32 gradients: autocast leaves the parameters fp32
     buckets = 1 + math.ceil(max(0, grad - 2**20) / DDP_BUCKET_BYTES)
-    out = [Collective("all_reduce", grad, buckets, world, nodes, "backward", 1)]
-    if f.buffer_bytes:  # broadcast_buffers: once a step (the forward after a synchronised backward)
-        out.append(Collective("broadcast", f.buffer_bytes, 1, world, nodes, "forward", 1))
-    return out
+    return [Collective("all_reduce", grad, buckets, world, nodes, "backward", 1)]
 
 
 def _fsdp2_collectives(p: ParallelConfig, f: ModelFacts, nodes: int, g: int, accum: int) -> list[Collective]:

@@ -97,9 +97,11 @@ class CountCollectives(TorchDispatchMode):
 def optimizer_step(strategy) -> None:
     """What follows the micro-batches, as the engine's step does it: this rank's share of the squared gradient norm
     reduced (the engine packs it with the step's other values in one all-reduce), then the update."""
-    from convit_scale import comm
+    from convit_scale.train.step import StepStats
 
-    norm = comm.all_reduce(strategy.grad_square_sum()).item() ** 0.5
+    stats = StepStats(torch.device("cpu"))  # the engine's one packed all-reduce, as it makes it
+    stats.add("grad_sq", strategy.grad_square_sum())
+    norm = stats.reduce().grad_sq ** 0.5
     strategy.step(norm if strategy.norm_is_global else None)
 
 
