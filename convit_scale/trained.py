@@ -26,6 +26,10 @@ def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
             out = Path(tmp) / "full.pt"
             dcp_to_torch_save(str(checkpoint_dir / "dcp"), str(out))
             state = torch.load(out, map_location="cpu", weights_only=False)["model"]
+    elif (checkpoint_dir / "model.safetensors").is_file():  # a run's best/ (the weights alone, consolidated)
+        from safetensors.torch import load_file
+
+        state = load_file(str(checkpoint_dir / "model.safetensors"))
     elif (checkpoint_dir / "zero").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -16,16 +16,15 @@ from .attention import attention_maps, gating, nonlocality_of
 
 
 @torch.no_grad()
-def epoch_analysis(strategy, cfg: Config, loader, ctx) -> dict | None:
+def epoch_analysis(full_state: dict | None, cfg: Config, loader, ctx) -> dict | None:
     """Gating per GPSA layer and head, and nonlocality per layer on up to ``log.analysis_images`` validation images:
-    each rank takes its share of its own validation images on its device with a full copy of the weights, and one
-    reduction adds the sums up. Every rank must call it (the full state dict is a collective); returned on rank 0."""
+    each rank takes its share of its own validation images on its device with a full copy of the weights (rank 0's
+    ``full_state``, broadcast), and one reduction adds the sums up. Every rank calls it; returned on rank 0."""
     if loader is None or cfg.log.analysis_images == 0:
         return None
     plain = create_model(cfg.model.name, device=ctx.device, **{**model_options(cfg.model), "drop_path_rate": 0.0})
-    state = strategy.full_state_dict()  # collective; rank 0 holds it
     if ctx.is_main:
-        plain.load_state_dict(state)
+        plain.load_state_dict(full_state)
     comm.broadcast_tensors(list(plain.state_dict().values()))
     share = math.ceil(cfg.log.analysis_images / ctx.world_size)
     sums = torch.zeros(len(plain.blocks) + 1, dtype=torch.float64, device=ctx.device)  # per layer, then images

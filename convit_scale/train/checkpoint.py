@@ -10,6 +10,7 @@ half-written checkpoint that resume would pick.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import random
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from .. import comm
 
@@ -25,7 +27,7 @@ PREFIX = "step_"
 
 
 class CheckpointIncompatible(ValueError):
-    """A checkpoint written by another strategy, model or global batch than the recipe's."""
+    """A checkpoint another run wrote, or a resume that would mix two runs in one folder."""
 
 
 def rng_state() -> dict:
@@ -51,46 +53,132 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def choose_checkpoint(root: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from (``checkpoint.resume``: auto, none or a path), decided on rank 0 and
-    broadcast so that every rank loads the same one. Rank 0 also removes ``.tmp`` folders that crashed saves
-    left behind."""
-    choice = None
+def choose_checkpoint(root: Path, resume: str) -> tuple[Path | None, str]:
+    """The checkpoint to resume from (``resume_source``) and why, decided on rank 0 and broadcast so that every rank
+    loads the same one (and every rank raises the same refusal). Rank 0 also removes ``.tmp`` folders that crashed
+    saves left behind."""
+    decision = None
     if comm.rank() == 0:
         if root.is_dir():
             _recover_interrupted_swaps(root)
             for stale in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
-        choice = latest_checkpoint(root) if resume == "auto" else (None if resume == "none" else Path(resume))
-        choice = None if choice is None else str(choice)
-    choice = comm.broadcast_object(choice)
-    return None if choice is None else Path(choice)
+        try:
+            path, why = resume_source(root, resume)
+            decision = (None if path is None else str(path), why, None)
+        except CheckpointIncompatible as e:
+            decision = (None, "", str(e))
+    path, why, error = comm.broadcast_object(decision)
+    if error is not None:
+        raise CheckpointIncompatible(error)
+    return (None if path is None else Path(path)), why
 
 
 def _recover_interrupted_swaps(root: Path) -> None:
     """A crash between the two renames of a same-step save (``step_N`` -> ``.old``, ``.tmp`` -> ``step_N``) leaves no
     ``step_N``: publish the complete new one (fsynced, with meta.json) or else put the old one back."""
-    for side in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old")]:  # a complete new one first
+    for side in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old"), *root.glob(f"{BEST}.tmp"),
+                 *root.glob(f"{BEST}.old")]:  # a complete new one first
         final = side.with_suffix("")
         if not final.exists() and (side / "meta.json").is_file():
             os.replace(side, final)
 
 
-def check_compatible(path: Path, meta: dict, expected: dict) -> None:
-    """Refuse a checkpoint whose strategy, model or global batch differs from the recipe's, naming both."""
-    for key, what in (("strategy", "parallel.strategy"), ("model", "model.name"),
-                      ("global_batch_size", "data.global_batch_size")):
-        saved = meta.get(key, meta.get("config", {}).get("data", {}).get(key) if key == "global_batch_size" else None)
-        if saved is not None and key in expected and saved != expected[key]:
-            raise CheckpointIncompatible(
-                f"checkpoint {path} was written with {what} = {saved!r}, the recipe has {expected[key]!r}: resume with "
-                f"the same {what}, or start a new run (another run.output_dir, or checkpoint.resume=none)")
-    world = expected.get("world_size")
-    if world is not None and str(meta.get("strategy", "")).startswith("zero") and meta.get("world_size") != world:
+RESUMABLE = (
+    "data.train_path", "data.val_path", "data.num_workers", "data.eval_batch_size", "data.micro_batch_size",
+    "data.open_retries", "data.open_retry_backoff_s", "data.max_bad_samples", "model.pretrained",
+    "parallel.backend", "parallel.timeout_s", "parallel.activation_checkpointing", "parallel.compile",
+    "parallel.reshard_after_forward", "parallel.hsdp_replicas", "parallel.meta_init", "parallel.zero_*",
+    "distill.teacher_checkpoint", "checkpoint.*", "log.*", "run.output_dir", "run.eval_every_epochs",
+    "run.nonfinite_policy", "run.max_skipped_steps", "schedule.max_steps", "paper.*",
+)
+"""Recipe fields a resumed run may change: where the data and files are, how the work is laid out on the machine
+(memory knobs, the layout of the same strategy), how the run is logged, checkpointed and stopped. Every other
+field defines the run: a checkpoint written with another value of it is another run's, and resuming from it is
+refused naming the fields (a Table 3 ablation pointed at a Table 1 run's folder, say)."""
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def recipe_differences(saved: dict, current: dict) -> list[str]:
+    """The fields (dotted) outside ``RESUMABLE`` whose values differ between two resolved recipes, as
+    ``key = saved -> current``. A field the saved recipe does not know (an older release) is not compared."""
+    a, b = _flat(saved), _flat(current)
+    return [f"{k} = {a[k]!r} -> {b.get(k)!r}" for k in sorted(a)
+            if k in b and a[k] != b[k] and not any(fnmatch.fnmatchcase(k, pat) for pat in RESUMABLE)]
+
+
+def check_compatible(path: Path, meta: dict, config: dict, world_size: int | None = None) -> None:
+    """Refuse a checkpoint written by another run: any field of the resolved recipe outside ``RESUMABLE`` that
+    differs is named with both values. DeepSpeed's ZeRO state resumes on its own world size only."""
+    saved = meta.get("config")
+    if saved is None:  # a checkpoint of an older release: the three fields it recorded
+        saved = {"parallel": {"strategy": meta.get("strategy")}, "model": {"name": meta.get("model")},
+                 "data": {"global_batch_size": meta.get("global_batch_size")}}
+        saved = {s: {k: v for k, v in f.items() if v is not None} for s, f in saved.items()}
+    diff = recipe_differences(saved, config)
+    if diff:
+        more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+        raise CheckpointIncompatible(
+            f"checkpoint {path} belongs to another run: its recipe differs in {'; '.join(diff[:3])}{more}; resume "
+            f"with the same recipe (only {', '.join(RESUMABLE[:6])}, ... may change: checkpoint.RESUMABLE), or start "
+            f"a new run in another run.output_dir")
+    strategy = str(config.get("parallel", {}).get("strategy", ""))
+    if world_size is not None and strategy.startswith("zero") and meta.get("world_size") != world_size:
         raise CheckpointIncompatible(
             f"checkpoint {path} holds DeepSpeed ZeRO state partitioned over {meta.get('world_size')} ranks, the run has "
-            f"{world}: DeepSpeed does not repartition it; resume on {meta.get('world_size')} ranks (or use fsdp2, "
+            f"{world_size}: DeepSpeed does not repartition it; resume on {meta.get('world_size')} ranks (or use fsdp2, "
             f"whose checkpoints reshard)")
+
+
+def restarted() -> bool:
+    """Whether this start is a restart of the same job: Slurm's requeue or torchrun's elastic restart."""
+    return any(int(os.environ.get(k, "0") or 0) > 0 for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+
+
+def resume_source(root: Path, resume: str) -> tuple[Path | None, str]:
+    """The checkpoint a start resumes from, and why (for the log). A run continues from its own newest checkpoint
+    once it has one, whatever ``checkpoint.resume`` says: an explicit source (a path, or none) is for the first
+    start only, so that every requeue of a job continues where it stopped.
+
+    - auto: the run's newest checkpoint, or a fresh start;
+    - PATH: that checkpoint at the first start, the run's own newest afterwards; an older checkpoint of the run's
+      own folder is refused (a run only goes forward: move its newer checkpoints away to go back);
+    - none: a fresh start into an empty folder; into one that holds checkpoints it is refused (nothing is pruned
+      or overwritten), except on a restart of the job, which continues them."""
+    own = latest_checkpoint(root)
+    if resume == "auto":
+        return own, "its newest checkpoint"
+    if resume == "none":
+        if own is None:
+            return None, "a fresh start"
+        if restarted():
+            return own, "its newest checkpoint (a restart of the job: checkpoint.resume=none was for its first start)"
+        raise CheckpointIncompatible(
+            f"run.output_dir {root.parent} holds checkpoints up to {own.name}: checkpoint.resume=none would start "
+            f"another run into them; resume it (checkpoint.resume=auto), or start in another run.output_dir, or move "
+            f"{root} away first")
+    path = Path(resume)
+    if own is None:
+        return path, f"checkpoint.resume = {path}"
+    if path.resolve().parent == root.resolve() and _step_of(path) < _step_of(own):
+        raise CheckpointIncompatible(
+            f"checkpoint.resume = {path} is older than the run's newest checkpoint {own.name}: a run continues from "
+            f"its newest; to go back, move the newer checkpoints out of {root} first")
+    return own, f"its newest checkpoint (checkpoint.resume = {path} was its starting point)"
+
+
+def _step_of(path: Path) -> int:
+    name = path.name
+    return int(name[len(PREFIX):]) if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() else -1
 
 
 def _fsync_tree(path: Path) -> None:
@@ -129,18 +217,57 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
     comm.barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _fsync_tree(tmp)
-        if final.exists():  # the same step saved again (a stop signal right after a periodic save): the old
-            old = root / (final.name + ".old")  # one stays complete until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)  # the publication: atomic on a POSIX file system
-        _fsync_dir(root)
+        _publish(tmp, final)
+        _write_atomic(root / LATEST, final.name + "\n")
         for stale in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
+    comm.barrier()
+    return final
+
+
+LATEST = "latest"
+"""A text file in the checkpoints folder naming its newest complete checkpoint (for people and tools: resume finds
+the newest by listing the folder)."""
+BEST = "best"
+"""The checkpoints folder's copy of the best evaluation so far: ``model.safetensors`` (the whole model, fp32, as
+``convit-scale export`` writes it) and ``meta.json``; outside the steps that resume and pruning see."""
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the complete folder ``tmp`` (rank 0's, all files written) ``final``: fsynced, then an atomic rename. A
+    ``final`` already there (the same step saved again: a stop signal right after a periodic save; a new best) stays
+    complete until the new one is in place, as ``.old``, which ``_recover_interrupted_swaps`` puts back after a
+    crash between the two renames."""
+    _fsync_tree(tmp)
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)  # the publication: atomic on a POSIX file system
+    _fsync_dir(final.parent)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_best(root: Path, state: dict | None, meta: dict) -> Path:
+    """Every rank calls this; rank 0, which holds the gathered ``state`` (the strategy's ``full_state_dict``),
+    writes ``root/best`` in place of the previous best."""
+    final = root / BEST
+    if comm.rank() == 0:
+        tmp = root / (BEST + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        _publish(tmp, final)
     comm.barrier()
     return final
 

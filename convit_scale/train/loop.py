@@ -15,7 +15,7 @@ import time
 
 from .. import comm, evaluation
 from ..analysis.during_training import epoch_analysis
-from .checkpoint import save_checkpoint
+from .checkpoint import save_best, save_checkpoint
 from .debug import checksum, state_digest
 from .memory import peak_memory_mb
 from .progress import Progress
@@ -65,9 +65,13 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
     run.metrics.write({"kind": "eval", "step": state.step, "epoch": epoch, **results})
     log(run.ctx, f"epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} top-5 {results['top5']:.2f} "
                  f"({results['samples']} images); best top-1 {results['best_top1']:.2f} (epoch {results['best_epoch']})")
-    stats = epoch_analysis(run.strategy, cfg, run.val_loader, run.ctx)
+    full = run.strategy.full_state_dict()  # gathered once (collective; rank 0 holds it): the analysis, the best
+    stats = epoch_analysis(full, cfg, run.val_loader, run.ctx)
     if stats is not None:
         run.metrics.write({"kind": "analysis", "step": state.step, "epoch": epoch, **stats})
+    if results["best_epoch"] == epoch:
+        path = save_best(run.checkpoints, full, {**_meta(run, state, "best"), "eval": results})
+        log(run.ctx, f"best top-1 so far: {path} (epoch {epoch})")
     state.meters.final.update(results)
 
 
@@ -83,12 +87,16 @@ def close_epoch(run: Run, state: TrainState) -> None:
     _periodic_save(run, state, run.cfg.checkpoint.every_epochs, state.epoch, "epoch")
 
 
-def save(run: Run, state: TrainState, reason: str):
+def _meta(run: Run, state: TrainState, reason: str) -> dict:
+    """What a checkpoint records beside the state: where the run is, why it saved, and its resolved recipe."""
     cfg = run.cfg
-    meta = {**state.to_meta(run.accum, run.ctx.world_size), "reason": reason, "strategy": cfg.parallel.strategy,
+    return {**state.to_meta(run.accum, run.ctx.world_size), "reason": reason, "strategy": cfg.parallel.strategy,
             "model": cfg.model.name, "global_batch_size": cfg.data.global_batch_size, "config": cfg.to_dict(),
             "time": time.time()}
-    path = save_checkpoint(run.checkpoints, run.strategy, meta, cfg.checkpoint.keep_last)
+
+
+def save(run: Run, state: TrainState, reason: str):
+    path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last)
     log(run.ctx, f"checkpoint {path} (step {state.step}, {reason})")
     return path
 

@@ -22,7 +22,7 @@ from ..imagetree import PrepError, list_classes
 from ..metrics import check_log_backends
 from ..models import create_model, read_state_dict
 from ..models.weights import check_state_dict, convert_state_dict
-from .checkpoint import check_compatible, latest_checkpoint, read_meta
+from .checkpoint import check_compatible, read_meta, resume_source
 from .distill import build_teacher
 
 PROBE_TIMEOUT_S = 10
@@ -51,8 +51,7 @@ def preflight(cfg: Config) -> None:
     check_log_backends(cfg.log)  # log.tensorboard / log.wandb without their package
     if cfg.model.pretrained:
         _check_pretrained(cfg.model)
-    if cfg.checkpoint.resume != "none":
-        _check_resume(cfg)
+    _check_resume(cfg)
     if cfg.distill.enabled:
         build_teacher(cfg)
 
@@ -157,10 +156,10 @@ def _check_pretrained(m) -> None:
 
 
 def _check_resume(cfg) -> None:
-    """The checkpoint that checkpoint.resume picks was written by this recipe's model, strategy and global batch
-    (the same check the engine makes, here before any process starts or anything is written)."""
-    resume = cfg.checkpoint.resume
-    path = latest_checkpoint(Path(cfg.run.output_dir) / "checkpoints") if resume == "auto" else Path(resume)
+    """The checkpoint that ``checkpoint.resume`` picks (``checkpoint.resume_source``: a run continues from its own
+    newest checkpoint once it has one) was written by this run's recipe: the same rules the engine applies, here
+    before any process starts or anything is written."""
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    path, _ = resume_source(root, cfg.checkpoint.resume)
     if path is not None:
-        check_compatible(path, read_meta(path), {"strategy": cfg.parallel.strategy, "model": cfg.model.name,
-                                                 "global_batch_size": cfg.data.global_batch_size})
+        check_compatible(path, read_meta(path), cfg.to_dict())

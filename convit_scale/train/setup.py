@@ -118,15 +118,13 @@ def _strategy(cfg: Config, ctx: DistContext, micro: int, accum: int, lr: float) 
     return strategy, base_mem
 
 
-def _resume_point(cfg: Config, out: Path, world_size: int) -> Path | None:
-    """The checkpoint to resume from (rank 0 chooses, every rank gets the same), checked against the recipe before
-    anything is written into the run folder."""
-    path = choose_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
+def _resume_point(cfg: Config, out: Path, world_size: int) -> tuple[Path | None, str]:
+    """The checkpoint to resume from and why (rank 0 chooses, every rank gets the same), checked against the recipe
+    before anything is written into the run folder."""
+    path, why = choose_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
     if path is not None:
-        check_compatible(path, read_meta(path), {"strategy": cfg.parallel.strategy, "model": cfg.model.name,
-                                                 "global_batch_size": cfg.data.global_batch_size,
-                                                 "world_size": world_size})
-    return path
+        check_compatible(path, read_meta(path), cfg.to_dict(), world_size)
+    return path, why
 
 
 def _schedule_length(cfg: Config, train_loader: Loader, accum: int) -> tuple[int, int]:
@@ -145,7 +143,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     out = Path(cfg.run.output_dir)
     micro, accum = check_world(cfg, ctx.world_size)
     lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
-    ckpt = _resume_point(cfg, out, ctx.world_size)
+    ckpt, why = _resume_point(cfg, out, ctx.world_size)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
@@ -160,8 +158,10 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     criterion, teacher = _criterion(cfg, ctx.device)
     state = TrainState()
     if ckpt is not None:
-        state = TrainState.from_meta(load_checkpoint(ckpt, strategy), accum, ctx.world_size)
-        log(ctx, f"resumed from {ckpt} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})")
+        meta = load_checkpoint(ckpt, strategy)
+        state = TrainState.from_meta(meta, accum, ctx.world_size)
+        log(ctx, f"resumed step {state.step} from {meta['world_size']} rank(s) on {ctx.world_size}: {ckpt}, {why} "
+                 f"(epoch {state.epoch}, batch {state.batch_in_epoch})")
     on_device = train_loader.spec.augment_on_device
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
               criterion, build_mixup(cfg.data, cfg.model.num_classes),
