@@ -36,7 +36,7 @@ def _cmd_prep(args) -> int:
         return 0
     opts = PrepOptions(fmt=args.fmt, subset_fraction=args.subset_fraction, shard_size=args.shard_size,
                        seed=args.seed, max_resolution=args.max_resolution, jpeg_quality=args.jpeg_quality,
-                       write_mode=args.write_mode, strict=args.strict, workers=args.workers,
+                       write_mode=args.write_mode, num_classes=args.num_classes, strict=args.strict, workers=args.workers,
                        val_labels=args.val_labels, val_synsets=args.val_synsets)
     manifest = prepare(args.src, args.out, opts)
     for split, info in manifest["splits"].items():
@@ -57,11 +57,15 @@ def register(sub) -> None:
                    help="Table 2: first floor(n_c*f) files per class, f in (0, 1]")
     p.add_argument("--shard-size", type=positive_int, default=1000, help="wds: samples per shard")
     p.add_argument("--seed", type=int, default=0, help="wds: shuffle seed before sharding")
-    p.add_argument("--max-resolution", type=positive_int, default=384,
-                   help="ffcv: max image side (see data_prep/convert.py)")
+    p.add_argument("--write-mode", default="keep", choices=["keep", "jpg", "raw", "proportion", "smart"],
+                   help="ffcv: keep (each JPEG's own bytes where the loader decodes them to PIL's pixels, the rest as "
+                        "raw pixels) or one of ffcv's modes; the earlier default: --write-mode jpg --max-resolution 384")
+    p.add_argument("--max-resolution", type=positive_int, default=None,
+                   help="ffcv: shrink images whose longer side is above this (default: every image at its size)")
     p.add_argument("--jpeg-quality", type=int_between(1, 100), default=90,
-                   help="ffcv: JPEG quality of re-encoded images, 1..100")
-    p.add_argument("--write-mode", default="jpg", choices=["jpg", "raw", "proportion", "smart"], help="ffcv write mode")
+                   help="ffcv: JPEG quality of the images prep encodes, 1..100 (kept JPEGs keep their own)")
+    p.add_argument("--num-classes", type=positive_int, default=None,
+                   help="keep only the first N classes (sorted), train and val: the appendix's 100-class experiments")
     p.add_argument("--strict", action="store_true", help="fail on unreadable files instead of skipping them")
     p.add_argument("--workers", type=positive_int, default=usable_cpus(),
                    help="parallel processes (default: the CPUs this process may use)")
