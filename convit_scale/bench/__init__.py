@@ -1,4 +1,5 @@
-"""`convit-scale bench model|data|memory|distill|mfu`: the numbers in BENCHMARKS.md, measured side by side.
+"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels`: the numbers in BENCHMARKS.md, measured
+side by side.
 
 Every benchmark runs its candidates in the same command, on the same inputs, and reports ratios to a
 reference measured in that run. Each candidate runs in a fresh subprocess (``python -m convit_scale.bench
@@ -16,12 +17,29 @@ from pathlib import Path
 import torch
 
 
+def _precision(args) -> str:
+    """--precision, else: fp32 for inference (Table 1's speed column is fp32), bf16 on CUDA, fp32 on the CPU."""
+    if args.precision:
+        return args.precision
+    return "bf16" if args.what != "inference" and args.device.startswith("cuda") else "fp32"
+
+
 def _run(args) -> dict:
-    out = Path(args.out)
+    out, precision = Path(args.out), _precision(args)
     if args.what == "model":
         from .model import bench_model
 
-        return bench_model(args.batch or 8, args.steps, args.rounds, args.device, args.precision)
+        return bench_model(args.batch or 8, args.steps, args.rounds, args.device, precision)
+    if args.what == "inference":
+        from .inference import bench_inference
+
+        return bench_inference(args.sizes.split(","), args.batch or 128, args.steps, args.warmup, args.rounds,
+                               args.device, precision)
+    if args.what == "pixels":
+        from .data import _sample_photographs
+        from .pixels import pixel_fidelity
+
+        return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes)
     if args.what == "data":
         from .data import bench_data
 
@@ -35,7 +53,7 @@ def _run(args) -> dict:
         from .mfu import bench_mfu
 
         return bench_mfu(args.models.split(","), args.batch or 64, args.steps, args.warmup, args.device,
-                         args.precision, args.peak_tflops, args.compile)
+                         precision, args.peak_tflops, args.compile)
     from .distill import bench_distill
 
     return bench_distill(args.batch or 4, args.steps, args.rounds, args.device)
@@ -56,12 +74,14 @@ def _cmd_bench(args) -> int:
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu)")
-    p.add_argument("what", choices=["model", "data", "memory", "distill", "mfu"])
+    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu, inference, "
+                                     "pixels)")
+    p.add_argument("what", choices=["model", "data", "memory", "distill", "mfu", "inference", "pixels"])
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--precision", default="bf16" if torch.cuda.is_available() else "fp32", choices=["fp32", "bf16"])
-    p.add_argument("--batch", type=int, help="images per step (model: 8, distill: 4, mfu: 64)")
+    p.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="default: fp32 for inference (Table 1), else bf16 on CUDA and fp32 on the CPU")
+    p.add_argument("--batch", type=int, help="images per step (model: 8, distill: 4, mfu: 64, inference: 128)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=8.0, help="data: seconds per candidate and round")
@@ -70,7 +90,11 @@ def add_subcommand(sub) -> None:
     p.add_argument("--worlds", default="1,2,4", help="memory: world sizes")
     p.add_argument("--strategies", default="ddp,fsdp2,zero1,zero2,zero3", help="memory: strategies")
     p.add_argument("--models", default="convit_small_plus,convit_base_plus", help="mfu: models")
-    p.add_argument("--warmup", type=int, default=3, help="mfu: untimed steps first")
+    p.add_argument("--warmup", type=int, default=3, help="mfu, inference: untimed steps first")
+    p.add_argument("--sizes", default=",".join(("tiny", "tiny_plus", "small", "small_plus", "base", "base_plus")),
+                   help="inference: Table 1's sizes, each as DeiT and ConViT")
+    p.add_argument("--photos", nargs="+", help="pixels: JPEG photographs (default: scikit-learn's two)")
+    p.add_argument("--boxes", type=int, default=200, help="pixels: crop boxes per photograph")
     p.add_argument("--peak-tflops", type=float, help="mfu: the device's dense peak (default: known GPUs' bf16 peak)")
     p.add_argument("--compile", action="store_true", help="mfu: torch.compile each block")
     p.set_defaults(func=_cmd_bench)
