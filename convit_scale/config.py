@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -218,8 +219,14 @@ class DistillConfig:
     tau: float = 1.0
     """Temperature of soft distillation."""
     teacher_min_top1: float | None = None
-    """Evaluate the teacher on up to 1,000 validation images at start-up and refuse to train below this top-1
-    (a wrong or weaker teacher file would silently move every Table 4 row); None = no check."""
+    """Evaluate the teacher on up to 5,000 validation images at start-up and refuse to train below this top-1
+    (a wrong or weaker teacher file would silently move every Table 4 row); None = no lower bound."""
+    teacher_max_top1: float | None = None
+    """With the same evaluation, refuse a teacher above this top-1 (a stronger one, such as timm's default
+    ImageNet-12k regnety_160 weights, would inflate Table 4); None = no upper bound."""
+    teacher_sha256: str | None = None
+    """Hex prefix (8 to 64 digits) the teacher file's SHA-256 must start with, whatever the file is called (Table 4:
+    a5fe301d, DeiT's regnety_160-a5fe301d.pth); None = only a torch.hub-style name's own prefix is checked."""
 
 
 @dataclass
@@ -616,6 +623,10 @@ def validate(cfg: Config, source: str = "<config>") -> None:
         fail("log.analysis_images", cfg.log.analysis_images, "must be >= 0 (0 turns the analysis off)")
     if kd.teacher_min_top1 is not None and not 0.0 <= kd.teacher_min_top1 <= 100.0:
         fail("distill.teacher_min_top1", kd.teacher_min_top1, "a top-1 in percent, in [0, 100], or null")
+    if kd.teacher_max_top1 is not None and not (kd.teacher_min_top1 or 0.0) <= kd.teacher_max_top1 <= 100.0:
+        fail("distill.teacher_max_top1", kd.teacher_max_top1, "a top-1 in percent, in [teacher_min_top1, 100], or null")
+    if kd.teacher_sha256 is not None and not re.fullmatch(r"[0-9a-f]{8,64}", kd.teacher_sha256):
+        fail("distill.teacher_sha256", kd.teacher_sha256, "8 to 64 lowercase hex digits of a SHA-256, or null")
     if m.distill_token and not kd.enabled:
         fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
     if cfg.checkpoint.keep_last < 1:
