@@ -44,11 +44,13 @@ class MinibatchCKA:
 
     def update(self, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> None:
         """Sums on the representations' device (the first update moves them there): no host sync per batch."""
-        device = rows[0].device
+        self.update_grams([self.gram(x) for x in rows], [self.gram(y) for y in cols])
+
+    def update_grams(self, grams_r: list[torch.Tensor], grams_c: list[torch.Tensor]) -> None:
+        """``update`` from the layers' Gram matrices (``gram``), which a caller may compute as each layer runs."""
+        device = grams_r[0].device
         if self.xy.device != device:
             self.xy, self.xx, self.yy = self.xy.to(device), self.xx.to(device), self.yy.to(device)
-        grams_r = [self.gram(x) for x in rows]
-        grams_c = [self.gram(y) for y in cols]
         for i, K in enumerate(grams_r):
             self.xx[i] += hsic_unbiased(K, K)
             for j, L in enumerate(grams_c):
