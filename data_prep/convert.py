@@ -1,8 +1,8 @@
 """ImageNet-style tree -> WebDataset tar shards or FFCV .beton files, with a manifest.
 
 Two phases per split, both parallel across processes and both resumable:
-1. check every image (decode it; convert CMYK/grey/PNG to RGB; list what cannot be read), cached in
-   ``.check-<split>.json`` so an interrupted run does not decode again;
+1. check every image (decode it; convert CMYK/grey/PNG to RGB; list what cannot be read; for FFCV, decide how
+   each image is stored), cached in ``.check-<split>.json`` so an interrupted run does not decode again;
 2. write outputs to a temporary name and rename when complete, so no half-written file ever looks
    finished; finished outputs recorded in ``.state-<split>.json`` are not redone.
 ``manifest.json`` (written last, atomically) records the source, options, class map, samples per class
@@ -39,13 +39,20 @@ class PrepOptions:
     """wds: samples per shard (shards differ by at most one sample)."""
     seed: int = 0
     """wds: the shuffle before sharding (ImageFolder order is by class)."""
-    # FFCV defaults for ViT training at 224: a 384 max side keeps a full-resolution 224 crop for any
-    # RandomResizedCrop covering >= 34% of the image and 256-resize + 224 centre crop at eval, while
-    # JPEG storage (q90) keeps ImageNet near 50 GB instead of ~400 GB of raw pixels at that size.
-    max_resolution: int = 384
+    num_classes: int | None = None
+    """Keep only the first N classes (sorted folder names), train and val: the appendix's 100-class experiments (the
+    official code's ``--nb_classes``); None keeps every class."""
+    write_mode: str = "keep"
+    """ffcv: 'keep' stores each source JPEG's own bytes where the loader's decoder gives PIL's pixels from them (every
+    ImageNet JPEG but the CMYK ones), the other images (CMYK, PNG named .JPEG, a JPEG turbojpeg warns about) as PIL's
+    RGB pixels, raw; 'jpg', 'raw', 'proportion', 'smart' are ffcv's own modes, every image decoded and written by
+    ffcv ('jpg': every image re-encoded at ``jpeg_quality``, the earlier default, with a 384-pixel max side)."""
+    max_resolution: int | None = None
+    """ffcv: shrink images whose longer side exceeds this (ffcv's INTER_AREA resize); with 'keep' those images are
+    re-encoded at ``jpeg_quality``, the others kept. None keeps every image at its size, as timm's loaders see it."""
     jpeg_quality: int = 90
-    write_mode: str = "jpg"
-    """ffcv: 'jpg', 'raw', 'proportion' or 'smart'."""
+    """ffcv: the quality of the JPEGs prep encodes ('jpg', 'proportion', 'smart', and with 'keep' the resized
+    images); kept JPEGs keep their own."""
     strict: bool = False
     """Fail instead of skipping unreadable files."""
     workers: int = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -67,10 +74,40 @@ def _write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _check_one(sample: tuple[str, int]) -> tuple[str, int, str | None, bool]:
-    path, label = sample
-    _, reason, converted = load_rgb_jpeg(path)
-    return path, label, reason, converted
+def _check_one(sample: tuple[str, int, int | None]) -> tuple[str, int, str | None, str | None]:
+    path, label, _ = sample
+    _, reason, _ = load_rgb_jpeg(path)
+    return path, label, reason, None
+
+
+KEPT, RAW, RESIZED = "kept", "raw", "resized"
+"""How ``write_mode: keep`` stores an image: its own JPEG bytes, PIL's RGB pixels, or shrunk and re-encoded."""
+
+
+def _check_one_ffcv(sample: tuple[str, int, int | None]) -> tuple[str, int, str | None, str | None]:
+    """``write_mode: keep``: read the image as timm's loaders do (PIL, then RGB) and decide how to store it: KEPT when
+    it is a JPEG the FFCV loader's decoder turns into exactly those pixels, RESIZED when its longer side is above
+    ``max_resolution``, RAW otherwise (CMYK, PNG named .JPEG, a JPEG turbojpeg refuses or warns about)."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    from convit_scale.jpeg import decode_rgb_array
+
+    path, label, max_resolution = sample
+    data = Path(path).read_bytes()
+    if not data:
+        return path, label, "empty file", None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()  # a truncated JPEG raises here
+            if max_resolution is not None and max(img.size) > max_resolution:
+                return path, label, None, RESIZED
+            pixels = np.asarray(img.convert("RGB"))
+            is_jpeg = img.format == "JPEG" and img.mode in ("RGB", "L")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        return path, label, f"undecodable: {type(e).__name__}: {e}", None
+    ours = decode_rgb_array(data, *pixels.shape[:2]) if is_jpeg else None
+    return path, label, None, KEPT if ours is not None and np.array_equal(ours, pixels) else RAW
 
 
 def _progress():
@@ -80,26 +117,34 @@ def _progress():
                     TextColumn("{task.fields[rate]:>8} img/s"), TimeRemainingColumn(), transient=False)
 
 
-def _check_images(samples: list[Sample], out: Path, split: str, workers: int, key: str) -> tuple[list[Sample], list[dict]]:
+def _check_images(samples: list[Sample], out: Path, split: str, opts: PrepOptions,
+                  key: str) -> tuple[list[Sample], list[dict], dict[str, str]]:
+    """(readable samples, skipped ones with the reason, {path: storage} for ``write_mode: keep``)."""
     cache = out / f".check-{split}.json"
     if cache.is_file():
         cached = json.loads(cache.read_text())
         if cached.get("key") == key:
-            return [Sample(p, l) for p, l in cached["valid"]], cached["skipped"]
-    valid, skipped = [], []
+            return [Sample(p, l) for p, l, _ in cached["valid"]], cached["skipped"], {
+                p: how for p, _, how in cached["valid"] if how is not None}
+    keep = opts.fmt == "ffcv" and opts.write_mode == "keep"
+    valid, skipped, storage = [], [], {}
     t0 = time.time()
-    with _progress() as progress, ProcessPoolExecutor(workers) as pool:
+    with _progress() as progress, ProcessPoolExecutor(opts.workers) as pool:
         task = progress.add_task(f"check {split}", total=len(samples), rate="")
-        results = pool.map(_check_one, [(s.path, s.label) for s in samples], chunksize=64)
-        for i, (path, label, reason, _) in enumerate(results, 1):
+        results = pool.map(_check_one_ffcv if keep else _check_one,
+                           [(s.path, s.label, opts.max_resolution) for s in samples], chunksize=64)
+        for i, (path, label, reason, how) in enumerate(results, 1):
             if reason is None:
                 valid.append(Sample(path, label))
+                if how is not None:
+                    storage[path] = how
             else:
                 skipped.append({"path": path, "reason": reason})
             if i % 256 == 0 or i == len(samples):
                 progress.update(task, completed=i, rate=f"{i / max(time.time() - t0, 1e-9):.0f}")
-    _write_json_atomic(cache, {"key": key, "valid": [[s.path, s.label] for s in valid], "skipped": skipped})
-    return valid, skipped
+    _write_json_atomic(cache, {"key": key, "valid": [[s.path, s.label, storage.get(s.path)] for s in valid],
+                               "skipped": skipped})
+    return valid, skipped, storage
 
 
 # -- WebDataset -----------------------------------------------------------------------------------
@@ -174,7 +219,7 @@ def _per_class(labels: list[int]) -> dict[str, int]:
 
 # -- FFCV -------------------------------------------------------------------------------------------
 class _RGBDataset:
-    """Map-style (PIL RGB image, label) over checked samples, for ffcv's DatasetWriter."""
+    """Map-style (PIL RGB image, label) over checked samples, for ffcv's own write modes."""
 
     def __init__(self, samples: list[Sample]):
         self.samples = samples
@@ -191,14 +236,86 @@ class _RGBDataset:
         return Image.open(io.BytesIO(data)).convert("RGB"), self.samples[i].label
 
 
-def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
+class _KeptDataset:
+    """Map-style ((ffcv mode, height, width, bytes), label) for ``write_mode: keep``, by the check's decision."""
+
+    def __init__(self, samples: list[Sample], storage: dict[str, str], opts: PrepOptions):
+        self.samples, self.storage, self.opts = samples, storage, opts
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        import numpy as np
+        from PIL import Image
+
+        path, label = self.samples[i].path, self.samples[i].label
+        data = Path(path).read_bytes()
+        how = self.storage[path]
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                if how == KEPT:
+                    return ("jpg", img.size[1], img.size[0], np.frombuffer(data, dtype=np.uint8)), label
+                pixels = np.asarray(img.convert("RGB"))
+        except (OSError, SyntaxError, ValueError) as e:
+            raise PrepError(f"{path}: undecodable: {type(e).__name__}: {e} (the file changed during conversion)") from e
+        if how == RAW:
+            return ("raw", *pixels.shape[:2], np.ascontiguousarray(pixels).reshape(-1)), label
+        from convit_scale.ffcv_threads import importing_ffcv
+
+        with importing_ffcv():
+            from ffcv.fields.rgb_image import encode_jpeg, resizer
+
+        pixels = resizer(pixels, self.opts.max_resolution)
+        return ("jpg", *pixels.shape[:2], encode_jpeg(pixels, self.opts.jpeg_quality)), label
+
+
+def _encode_prepared(destination, image, malloc) -> None:
+    """The image field's ``encode`` for ``write_mode: keep``: the bytes ``_KeptDataset`` prepared, as they are."""
     from convit_scale.ffcv_threads import importing_ffcv
 
     with importing_ffcv():
-        from ffcv.fields import IntField, RGBImageField
+        from ffcv.fields.rgb_image import IMAGE_MODES
+
+    mode, height, width, payload = image
+    destination["mode"] = IMAGE_MODES[mode]
+    destination["height"], destination["width"] = height, width
+    destination["data_ptr"], storage = malloc(payload.nbytes)
+    storage[:] = payload
+
+
+def _image_field(opts: PrepOptions):
+    """ffcv's RGBImageField; for ``keep``, one whose ``encode`` stores ``_KeptDataset``'s bytes. ffcv records a
+    field's type by its exact class (``TYPE_ID_HANDLER``), so the field stays an RGBImageField, read back by any
+    ffcv, and only this instance's encode is replaced (a module function: it reaches the writer's processes)."""
+    from convit_scale.ffcv_threads import importing_ffcv
+
+    with importing_ffcv():
+        from ffcv.fields import RGBImageField
+
+    if opts.write_mode != "keep":
+        return RGBImageField(write_mode=opts.write_mode, max_resolution=opts.max_resolution,
+                             jpeg_quality=opts.jpeg_quality)
+    field = RGBImageField(write_mode="jpg")
+    field.encode = _encode_prepared
+    return field
+
+
+def beton_name(split: str, opts: PrepOptions) -> str:
+    """The .beton's name, by its parameters (ffcv-imagenet's train_256_0.5_90.ffcv)."""
+    side = opts.max_resolution or "full"
+    return f"{split}_{side}_{opts.write_mode}_q{opts.jpeg_quality}_f{opts.subset_fraction:g}.beton"
+
+
+def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str,
+                storage: dict[str, str]) -> dict[str, dict]:
+    from convit_scale.ffcv_threads import importing_ffcv
+
+    with importing_ffcv():
+        from ffcv.fields import IntField
         from ffcv.writer import DatasetWriter
 
-    name = f"{split}_{opts.max_resolution}_{opts.write_mode}_q{opts.jpeg_quality}_f{opts.subset_fraction:g}.beton"
+    name = beton_name(split, opts)
     final = out / name
     state_file = out / f".state-{split}.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
@@ -206,13 +323,10 @@ def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions,
     if state.get("key") == key and name in state.get("done", {}) and final.is_file():
         return {name: {"samples": len(samples), "sha256": state["done"][name], "per_class": per_class}}
     tmp = out / (name + ".tmp")
-    writer = DatasetWriter(str(tmp), {
-        "image": RGBImageField(write_mode=opts.write_mode, max_resolution=opts.max_resolution,
-                               jpeg_quality=opts.jpeg_quality),
-        "label": IntField(),
-    }, num_workers=opts.workers)
+    writer = DatasetWriter(str(tmp), {"image": _image_field(opts), "label": IntField()}, num_workers=opts.workers)
     print(f"ffcv {split}: writing {len(samples)} images to {final}")
-    writer.from_indexed_dataset(_RGBDataset(samples))
+    writer.from_indexed_dataset(_KeptDataset(samples, storage, opts) if opts.write_mode == "keep"
+                                else _RGBDataset(samples))
     os.replace(tmp, final)
     sha = sha256_file(final)
     _write_json_atomic(state_file, {"key": key, "done": {name: sha}})
@@ -224,7 +338,7 @@ OWNER = ".prep.json"
 """Written into ``out`` before anything else: the folder is this command's output of that format, even before
 ``manifest.json`` exists (an interrupted conversion resumes into it)."""
 
-WRITE_MODES = ("jpg", "raw", "proportion", "smart")
+WRITE_MODES = ("keep", "jpg", "raw", "proportion", "smart")
 
 
 def check_options(opts: PrepOptions) -> None:
@@ -234,7 +348,8 @@ def check_options(opts: PrepOptions) -> None:
         ("--subset-fraction", opts.subset_fraction, 0 < opts.subset_fraction <= 1, "in (0, 1]"),
         ("--jpeg-quality", opts.jpeg_quality, 1 <= opts.jpeg_quality <= 100, "in 1..100"),
         ("--shard-size", opts.shard_size, opts.shard_size >= 1, ">= 1"),
-        ("--max-resolution", opts.max_resolution, opts.max_resolution >= 1, ">= 1"),
+        ("--max-resolution", opts.max_resolution, opts.max_resolution is None or opts.max_resolution >= 1, ">= 1"),
+        ("--num-classes", opts.num_classes, opts.num_classes is None or opts.num_classes >= 1, ">= 1"),
         ("--workers", opts.workers, opts.workers >= 1, ">= 1"),
         ("--write-mode", opts.write_mode, opts.write_mode in WRITE_MODES, "one of " + ", ".join(WRITE_MODES)),
     ]
@@ -277,22 +392,26 @@ def check_out(src: Path, out: Path, fmt: str) -> None:
                         f"allowed: a new or empty folder, or an earlier `prep {fmt}` output")
 
 
-def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
-    """Convert ``src`` (ImageNet-style) into ``out``; returns the manifest."""
-    src, out = Path(src), Path(out)
-    if not src.is_dir():
-        raise PrepError(f"source folder not found: {src}")
-    check_options(opts)
-    classes = list_classes(src / "train")
-    check_out(src, out, opts.fmt)
-    scanned = {}  # every split listed (no image read yet) before anything is written
+def _in_classes(samples: list[Sample], problems: list[dict], classes: list[str],
+                all_classes: list[str]) -> tuple[list[Sample], list[dict]]:
+    """``--num-classes``: the samples of the first classes (their labels are the same in the full list), and the
+    problems that are not about a class left out on purpose."""
+    left_out = set(all_classes[len(classes):])
+    return ([s for s in samples if s.label < len(classes)],
+            [p for p in problems if Path(p["path"]).name not in left_out and Path(p["path"]).parent.name not in left_out])
+
+
+def _scan(src: Path, opts: PrepOptions, classes: list[str], all_classes: list[str]) -> dict:
+    """Every split listed (no image read yet): {split: (samples, problems)}, before anything is written."""
+    scanned = {}
     for split in opts.splits:
         if not (src / split).is_dir():
             if split == "train":
                 raise PrepError(f"source has no train folder: {src / split}")
             continue
-        samples, problems = scan_split(src, split, classes, Path(opts.val_labels) if opts.val_labels else None,
+        samples, problems = scan_split(src, split, all_classes, Path(opts.val_labels) if opts.val_labels else None,
                                        Path(opts.val_synsets) if opts.val_synsets else None)
+        samples, problems = _in_classes(samples, problems, classes, all_classes)
         if split == "train":
             kept = subsample(samples, opts.subset_fraction)
             if samples and not kept:
@@ -304,29 +423,55 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
         if not samples:
             raise PrepError(f"no images found in {src / split}")
         scanned[split] = samples, problems
+    return scanned
+
+
+def _convert_split(src: Path, out: Path, split: str, samples: list[Sample], problems: list[dict],
+                   opts: PrepOptions) -> dict:
+    """Check, then write one split; its manifest entry."""
+    key = hashlib.sha256(json.dumps([asdict(opts), [(s.path, s.label) for s in samples]]).encode()).hexdigest()
+    valid, skipped, storage = _check_images(samples, out, split, opts, key)
+    skipped = problems + skipped
+    for s in skipped:
+        print(f"skipped {s['path']}: {s['reason']}")
+    if skipped and opts.strict:
+        raise PrepError(f"{len(skipped)} unreadable or unlabelled input(s) in {src / split} under --strict; "
+                        f"first: {skipped[0]['path']}: {skipped[0]['reason']}")
+    if not valid:
+        raise PrepError(f"no readable images in {src / split}")
+    if opts.fmt == "wds":
+        files = _write_wds(valid, out, split, opts, key)
+    else:
+        files = _write_ffcv(valid, out, split, opts, key, storage)
+    for name, rec in files.items():  # sizes let a training run refuse a missing or truncated file cheaply
+        rec["bytes"] = (out / name).stat().st_size
+    entry = {"num_samples": len(valid), "per_class": _per_class([s.label for s in valid]), "files": files,
+             "skipped": skipped}
+    if storage:  # write_mode keep: how many images kept their bytes, and which did not
+        entry["images"] = {how: sum(1 for v in storage.values() if v == how) for how in (KEPT, RAW, RESIZED)}
+        entry["stored_raw"] = sorted(p for p, how in storage.items() if how == RAW)  # ImageNet: its CMYK and PNG
+    return entry
+
+
+def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
+    """Convert ``src`` (ImageNet-style) into ``out``; returns the manifest."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise PrepError(f"source folder not found: {src}")
+    check_options(opts)
+    all_classes = list_classes(src / "train")
+    classes = all_classes[:opts.num_classes] if opts.num_classes else all_classes
+    if opts.num_classes and opts.num_classes > len(all_classes):
+        raise PrepError(f"--num-classes {opts.num_classes}: {src / 'train'} has {len(all_classes)} classes; allowed: "
+                        f"1..{len(all_classes)}")
+    check_out(src, out, opts.fmt)
+    scanned = _scan(src, opts, classes, all_classes)
     out.mkdir(parents=True, exist_ok=True)
     _write_json_atomic(out / OWNER, {"format": opts.fmt, "source": str(src.resolve())})
     manifest = {"format": opts.fmt, "source": str(src.resolve()), "options": asdict(opts),
                 "classes": classes, "splits": {}}
     for split, (samples, problems) in scanned.items():
-        key = hashlib.sha256(json.dumps([asdict(opts), [(s.path, s.label) for s in samples]]).encode()).hexdigest()
-        valid, skipped = _check_images(samples, out, split, opts.workers, key)
-        skipped = problems + skipped
-        for s in skipped:
-            print(f"skipped {s['path']}: {s['reason']}")
-        if skipped and opts.strict:
-            raise PrepError(f"{len(skipped)} unreadable or unlabelled input(s) in {src / split} under --strict; "
-                            f"first: {skipped[0]['path']}: {skipped[0]['reason']}")
-        if not valid:
-            raise PrepError(f"no readable images in {src / split}")
-        writer = _write_wds if opts.fmt == "wds" else _write_ffcv
-        files = writer(valid, out, split, opts, key)
-        for name, rec in files.items():  # sizes let a training run refuse a missing or truncated file cheaply
-            rec["bytes"] = (out / name).stat().st_size
-        manifest["splits"][split] = {
-            "num_samples": len(valid), "per_class": _per_class([s.label for s in valid]),
-            "files": files, "skipped": skipped,
-        }
+        manifest["splits"][split] = _convert_split(src, out, split, samples, problems, opts)
     (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
     _write_json_atomic(out / MANIFEST, manifest)
     return manifest

@@ -47,6 +47,8 @@ def test_every_recipe_loads(path):
     if path.parent.name.startswith("table"):
         assert path.read_text().startswith("# Table"), "each recipe says which paper row it reproduces"
         assert cfg.paper.table == path.parent.name[-1] and cfg.paper.top1 is not None
+    if path.parent.name.startswith(("table", "appendix")):  # Table 1 is the final epoch (the last checkpoint)
+        assert cfg.paper.compare_with == "top1" and "Compare the final epoch's top1" in path.read_text()
 
 
 def test_table1_rows():
@@ -86,11 +88,48 @@ def test_table3_rows():
             _deit_recipe(cfg)
 
 
+def test_subset_recipes_evaluate_analyse_and_checkpoint_every_1_over_f():
+    """Table 2 and Table 3 (10%): an evaluation (with the gating/nonlocality analysis) and a checkpoint every 1/f
+    epochs, about 300 per run as at f = 1, not 300/f (6,000 full validations and checkpoints at f = 0.05)."""
+    subset = [p for p in sorted((RECIPES / "table2").glob("*.yaml")) + sorted((RECIPES / "table3").glob("*.yaml"))]
+    for path in subset:
+        cfg = load_config(path)
+        f, epochs = cfg.data.subset_fraction, cfg.schedule.epochs
+        every = round(1 / f)
+        assert cfg.run.eval_every_epochs == cfg.checkpoint.every_epochs == every, path.name
+        evaluations = -(-epochs // every)  # and at the end
+        assert 300 <= evaluations <= 334 and cfg.log.analysis_images > 0, (path.name, evaluations)
+    assert {round(1 / load_config(p).data.subset_fraction) for p in subset} == {1, 2, 3, 10, 20}
+
+
+APPENDIX_ALPHA = (0.0, 0.5, 1.0, 2.0, 5.0)
+APPENDIX_GPSA = (0, 1, 3, 6, 10)
+
+
+def test_appendix_100_class_sweeps():
+    """Figure 8a (locality strength at 10 GPSA layers) and Figure 12 (GPSA layers at strength 1): ConViT-S on the
+    first 100 classes, 300 epochs, the DeiT recipe."""
+    files = sorted((RECIPES / "appendix").glob("*.yaml"))
+    assert len(files) == len(APPENDIX_ALPHA) + len(APPENDIX_GPSA)
+    seen = set()
+    for f in files:
+        cfg = load_config(f)
+        m = cfg.model
+        assert (m.name, m.num_classes, cfg.schedule.epochs, cfg.paper.top1) == ("convit_small", 100, 300, None)
+        assert f.read_text().startswith("# Appendix, Figure") and cfg.paper.table in ("Fig. 8a", "Fig. 12")
+        seen.add((m.locality_strength, m.local_up_to_layer))
+        _deit_recipe(cfg)
+    assert seen == {(a, 10) for a in APPENDIX_ALPHA} | {(1.0, n) for n in APPENDIX_GPSA}
+    assert "--num-classes 100" in (RECIPES / "base" / "imagenet100.yaml").read_text()
+
+
 def test_table4_rows():
     for model, top1 in TABLE4.items():
         cfg = load_config(RECIPES / "table4" / f"{model}_distilled.yaml")
         d = cfg.distill
         assert cfg.model.name == model and cfg.paper.top1 == top1
         assert (d.enabled, d.teacher_model, d.type, d.alpha) == (True, "regnety_160", "hard", 0.5)
+        # DeiT's teacher by content (regnety_160-a5fe301d.pth), and its 82.9% inside the accuracy band
+        assert d.teacher_sha256 == "a5fe301d" and d.teacher_min_top1 < 82.9 < d.teacher_max_top1
         assert cfg.model.distill_token is False  # the paper's Table 4 setting
         _deit_recipe(cfg)

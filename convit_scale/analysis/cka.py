@@ -44,19 +44,21 @@ class MinibatchCKA:
         return x @ x.T
 
     def update(self, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> None:
-        """Sums on the representations' device (the first update moves them there): no host sync per batch. A
+        """Sums on the representations' device (the first update moves them there): no host sync per batch."""
+        self.update_grams([self.gram(x) for x in rows], [self.gram(y) for y in cols])
+
+    def update_grams(self, grams_r: list[torch.Tensor], grams_c: list[torch.Tensor]) -> None:
+        """``update`` from the layers' Gram matrices (``gram``), which a caller may compute as each layer runs. A
         minibatch of 3 examples or fewer (the last of ``analyze --images 33``) has no unbiased HSIC: it is left out
         and counted in ``skipped``; the sum over the other minibatches stays an unbiased estimate."""
-        n = rows[0].shape[0]
+        n = grams_r[0].shape[0]
         if n <= 3:
             self.skipped += n
             return
         self.examples += n
-        device = rows[0].device
+        device = grams_r[0].device
         if self.xy.device != device:
             self.xy, self.xx, self.yy = self.xy.to(device), self.xx.to(device), self.yy.to(device)
-        grams_r = [self.gram(x) for x in rows]
-        grams_c = [self.gram(y) for y in cols]
         for i, K in enumerate(grams_r):
             self.xx[i] += hsic_unbiased(K, K)
             for j, L in enumerate(grams_c):

@@ -1,7 +1,8 @@
 """`convit-scale analyze`: every measurement of the paper's Section 4 (and of Raghu et al. 2021) for a checkpoint, as PNGs and one JSON.
 
 Inputs: a run checkpoint directory, an exported .safetensors or published weights; optionally a second
-model to compare (CKA between models); optionally the run folder for the histories over training.
+model to compare (CKA between models: another ConViT/DeiT, or a timm CNN such as a ResNet, as in "Do Vision
+Transformers See Like Convolutional Neural Networks?"); optionally the run folder for the histories over training.
 """
 
 from __future__ import annotations
@@ -11,78 +12,55 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from ..models.convit import GPSA, ConViT
-from .cka import MinibatchCKA
 from ..metrics import read_records
-from ..evaluation import Batches, evaluate
+from ..models.convit import ConViT
 from .attention import attention_maps, gating, head_distances
 from . import ANALYSIS_IMAGES  # noqa: F401  (re-exported: the default number of images)
+from .cka import MinibatchCKA
+from .masking import masked, masking_table  # noqa: F401 - masked: imported from here by callers
 
 
-def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32, **view) -> list:
-    """The first ``images`` validation images (eval transform, fewer if the split is smaller) as batches of
-    ``batch_size``, kept in host memory for every analysis (1,024 images at 224 are 0.6 GB). ``view``: the run's
-    ``eval_crop_ratio`` and ``interpolation`` (``trained.eval_view``), so that the analysis sees the images as
-    the run's evaluation did; DeiT's (0.875, bicubic) otherwise."""
+def eval_loader(data: str, fmt: str, img_size: int, batch_size: int = 32, **view):
+    """The validation loader of the eval transform. ``view``: the run's ``eval_crop_ratio`` and ``interpolation``
+    (``trained.eval_view``), so that the analysis sees the images as the run's evaluation did; DeiT's (0.875,
+    bicubic) otherwise."""
     from ..config import DataConfig
     from ..data import LoaderSpec, build_loader
 
     d = DataConfig(format=fmt, train_path=data, val_path=data, num_workers=0, **view)
-    loader = build_loader(d, LoaderSpec("val", img_size, batch_size))
-    batches, seen = [], 0
-    for x, y in loader.epoch(0):
-        n = min(len(y), images - seen, loader.num_real - seen)  # padding of the last batch is not an image
-        if n <= 0:
-            break
-        batches.append((x[:n], y[:n]))
-        seen += n
-    return batches
+    return build_loader(d, LoaderSpec("val", img_size, batch_size))
 
 
-@contextlib.contextmanager
-def masked(model: ConViT, pos_embed: bool = False, content_layers: int = 0, position_layers: int = 0):
-    """The paper's test-time masking: position embedding zeroed (Table 5); content or positional
-    attention masked in the first k GPSA layers (Table 6)."""
-    saved = model.pos_embed.detach().clone()
-    gpsa = [b.attn for b in model.blocks if isinstance(b.attn, GPSA)]
-    try:
-        if pos_embed:
-            with torch.no_grad():
-                model.pos_embed.zero_()
-        for i, attn in enumerate(gpsa):
-            attn.mask = "content" if i < content_layers else ("position" if i < position_layers else None)
-        yield model
-    finally:
-        with torch.no_grad():
-            model.pos_embed.copy_(saved)
-        for attn in gpsa:
-            attn.mask = None
+class FirstImages:
+    """The first ``images`` validation images of ``loader`` (all of them if it has fewer), streamed a batch at a
+    time: what ``evaluate`` reads (``epoch``, ``num_real``), for a masking measured on the whole validation set
+    without holding it in memory."""
+
+    def __init__(self, loader, images: int | None = None):
+        self.loader = loader
+        self.num_real = loader.num_real if images is None else min(images, loader.num_real)
+
+    def epoch(self, epoch: int = 0):
+        seen = 0
+        with contextlib.closing(iter(self.loader.epoch(epoch))) as batches:  # an FFCV epoch stops its thread
+            for x, y in batches:
+                n = min(len(y), self.num_real - seen)  # the padding of the last batch is not an image
+                if n <= 0:
+                    return
+                yield x[:n], y[:n]
+                seen += n
+
+
+def eval_batches(data: str, fmt: str, img_size: int, images: int, batch_size: int = 32, **view) -> list:
+    """The first ``images`` validation images (eval transform, fewer if the split is smaller) as batches of
+    ``batch_size``, kept in host memory for every analysis (1,024 images at 224 are 0.6 GB)."""
+    return list(FirstImages(eval_loader(data, fmt, img_size, batch_size, **view), images).epoch(0))
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-@torch.no_grad()
-def accuracy(model: ConViT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Top-1 in percent over ``batches`` (the counter training's evaluation uses), on the model's device."""
-    model.eval()
-    return evaluate(model, Batches(batches), _device_of(model))["top1"]
-
-
-def masking_table(model: ConViT, batches) -> dict:
-    """Accuracy with each masking of Tables 5 and 6 (k = all GPSA layers and k = half of them)."""
-    n_gpsa = len(model.gpsa_blocks())
-    table = {"none": accuracy(model, batches)}
-    with masked(model, pos_embed=True):
-        table["position_embedding"] = accuracy(model, batches)
-    for k in sorted({max(1, n_gpsa // 2), n_gpsa} - {0}):
-        with masked(model, content_layers=k):
-            table[f"content_attention_first_{k}"] = accuracy(model, batches)
-        with masked(model, position_layers=k):
-            table[f"position_attention_first_{k}"] = accuracy(model, batches)
-    return table
 
 
 @torch.no_grad()
@@ -91,12 +69,69 @@ def layer_representations(model: ConViT, x: torch.Tensor) -> list[torch.Tensor]:
     return model.forward_features(x.to(_device_of(model), non_blocking=True), return_layers=True)[1]
 
 
+def cnn_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers whose outputs a CNN's CKA reads: every residual block of a ResNet (``layer1`` .. ``layer4``, as
+    Raghu et al. compare ViTs with ResNets), else the stage outputs timm lists in ``feature_info``."""
+    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
+        return [(f"layer{i}.{j}", block) for i in range(1, 5) for j, block in enumerate(getattr(model, f"layer{i}"))]
+    info = getattr(model, "feature_info", None)
+    if info:
+        return [(f["module"], model.get_submodule(f["module"])) for f in info]
+    raise ValueError(f"{type(model).__name__}: no residual blocks (layer1-4) or feature_info to compare layer by "
+                     f"layer; allowed: a ConViT/DeiT, or a timm ResNet or CNN with feature_info")
+
+
 @torch.no_grad()
-def cka_matrix(a: ConViT, b: ConViT, batches) -> torch.Tensor:
-    acc = MinibatchCKA(len(a.blocks), len(b.blocks))
+def layer_grams(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The (n, n) linear Gram matrix of every layer's representation of the batch ``x`` (flattened per example):
+    a ConViT's blocks (patch tokens), a CNN's ``cnn_layers``, each computed as the layer runs so that a ResNet's
+    activations are never all held at once."""
+    model.eval()
+    x = x.to(_device_of(model), non_blocking=True)
+    if isinstance(model, ConViT):
+        return [MinibatchCKA.gram(r) for r in layer_representations(model, x)]
+    grams, hooks = [], []
+    for _, layer in cnn_layers(model):
+        hooks.append(layer.register_forward_hook(lambda m, i, out: grams.append(MinibatchCKA.gram(out))))
+    try:
+        model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return grams
+
+
+def n_layers(model: nn.Module) -> int:
+    return len(model.blocks) if isinstance(model, ConViT) else len(cnn_layers(model))
+
+
+@torch.no_grad()
+def cka_matrix(a: nn.Module, b: nn.Module, batches) -> torch.Tensor:
+    """Minibatch linear CKA between every layer of ``a`` (rows) and of ``b`` (columns): ConViTs, DeiTs or CNNs."""
+    acc = MinibatchCKA(n_layers(a), n_layers(b))
     for x, _ in batches:
-        acc.update(layer_representations(a, x), layer_representations(b, x))
+        acc.update_grams(layer_grams(a, x), layer_grams(b, x))
     return acc.compute()
+
+
+def load_compare(path: str | Path, name: str | None = None) -> nn.Module:
+    """The model ``--compare`` names: a ConViT/DeiT (a run checkpoint, an export, published weights; ``name`` one
+    of ours), or a timm CNN of that ``name`` from a local weights file (its classes read from the file's
+    classifier), e.g. ``resnet50``. Nothing is downloaded."""
+    from ..models import MODELS
+    from ..models.weights import load_timm_model, read_state_dict
+    from ..trained import load_trained_model
+
+    if name is None or name in MODELS:
+        return load_trained_model(path, name)
+    from timm.models import get_pretrained_cfg_value, is_model
+
+    if not is_model(name):
+        raise ValueError(f"--compare-model {name!r} is neither one of this project's models nor a timm model")
+    classifier = get_pretrained_cfg_value(name, "classifier") or "fc"
+    head = read_state_dict(path).get(f"{classifier}.weight")
+    return load_timm_model(name, path, num_classes=None if head is None else head.shape[0],
+                           what=f"--compare {path}", name_key="--compare-model").eval()
 
 
 def history(run_dir: Path) -> dict:
@@ -106,10 +141,13 @@ def history(run_dir: Path) -> dict:
             "nonlocality": [r["nonlocality"] for r in recs]}
 
 
-def analyze(model: ConViT, batches, out: Path, compare: ConViT | None = None, run_dir: Path | None = None,
-            names: tuple[str, str] = ("model", "compare"), query_patch: int | None = None) -> dict:
+def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None, run_dir: Path | None = None,
+            names: tuple[str, str] = ("model", "compare"), query_patch: int | None = None, masking_data=None,
+            masking_specs: list[str] | None = None) -> dict:
     """Compute everything on the models' device over every image of ``batches`` (host tensors, moved one batch
-    at a time), write the plots and ``analysis.json`` into ``out``; returns the numbers."""
+    at a time), write the plots and ``analysis.json`` into ``out``; returns the numbers. The masking reads
+    ``masking_data`` when given (``FirstImages`` of a loader: as many validation images as asked, streamed), with
+    ``masking_specs`` (``masking.gpsa_layers``; default: the first GPSA layer, the last, the first half, all)."""
     from . import plots
 
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +165,8 @@ def analyze(model: ConViT, batches, out: Path, compare: ConViT | None = None, ru
         "gating": gating(model),
         "nonlocality": [sum(h) / len(h) for h in per_head],
         "attention_distance_px": [[d * patch for d in h] for h in per_head],
-        "masking_top1": masking_table(model, batches),
+        "masking_top1": masking_table(model, batches if masking_data is None else masking_data, masking_specs),
+        "masking_images": n_images if masking_data is None else masking_data.num_real,
         "cka_self": cka_matrix(model, model, batches).tolist(),
         "query_patch": query,
     }
@@ -138,7 +177,10 @@ def analyze(model: ConViT, batches, out: Path, compare: ConViT | None = None, ru
              plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
     if compare is not None:
         result["cka_compare"] = cka_matrix(model, compare, batches).tolist()
-        result["compare_nonlocality"] = [sum(h) / len(h) for h in head_distances(compare, batches, device)[0]]
+        if isinstance(compare, ConViT):
+            result["compare_nonlocality"] = [sum(h) / len(h) for h in head_distances(compare, batches, device)[0]]
+        else:
+            result["compare_layers"] = [name for name, _ in cnn_layers(compare)]
         files.append(plots.cka_heatmap(result["cka_compare"], names[0], names[1], out / "cka_compare.png"))
     if run_dir is not None:
         hist = history(run_dir)

@@ -1,4 +1,5 @@
-"""`convit-scale bench model|data|memory|distill|mfu`: the numbers in BENCHMARKS.md, measured side by side.
+"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels`: the numbers in BENCHMARKS.md, measured
+side by side.
 
 Every benchmark runs its candidates in the same command, on the same inputs, and reports ratios to a
 reference measured in that run. Each candidate runs in a fresh subprocess (``python -m convit_scale.bench
@@ -20,16 +21,26 @@ def _resolve(args) -> None:
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.precision == "auto":
-        args.precision = "bf16" if args.device.startswith("cuda") else "fp32"
+    if args.precision == "auto":  # Table 1's speed column is fp32 inference
+        args.precision = "bf16" if args.what != "inference" and args.device.startswith("cuda") else "fp32"
 
 
 def _run(args) -> dict:
-    out = Path(args.out)
+    out, precision = Path(args.out), args.precision
     if args.what == "model":
         from .model import bench_model
 
-        return bench_model(args.batch or 8, args.steps, args.rounds, args.device, args.precision)
+        return bench_model(args.batch or 8, args.steps, args.rounds, args.device, precision)
+    if args.what == "inference":
+        from .inference import bench_inference
+
+        return bench_inference(args.sizes.split(","), args.batch or 128, args.steps, args.warmup, args.rounds,
+                               args.device, precision)
+    if args.what == "pixels":
+        from .data import _sample_photographs
+        from .pixels import pixel_fidelity
+
+        return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes)
     if args.what == "data":
         from .data import bench_data
 
@@ -43,7 +54,7 @@ def _run(args) -> dict:
         from .mfu import bench_mfu
 
         return bench_mfu(args.models.split(","), args.batch or 64, args.steps, args.warmup, args.device,
-                         args.precision, args.peak_tflops, args.compile)
+                         precision, args.peak_tflops, args.compile)
     from .distill import bench_distill
 
     return bench_distill(args.batch or 4, args.steps, args.rounds, args.device)

@@ -1,6 +1,6 @@
 """``python -m convit_scale.bench KIND SPEC``: one benchmark candidate, measured in this fresh process.
 
-KIND is model, data, distill or train (``bench mfu``); SPEC is its JSON; the result is the last line printed.
+KIND is model, data, distill, train (``bench mfu``) or inference; SPEC is its JSON; the result is the last line printed.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import sys
 
 
 def main() -> None:
-    from . import data, distill, mfu, model
+    from . import data, distill, inference, mfu, model
 
-    workers = {"model": model.worker, "data": data.worker, "distill": distill.worker, "train": mfu.worker}
+    workers = {"model": model.worker, "data": data.worker, "distill": distill.worker, "train": mfu.worker,
+               "inference": inference.worker}
     if len(sys.argv) != 3 or sys.argv[1] not in workers:
         raise SystemExit(f"usage: python -m convit_scale.bench KIND SPEC_JSON; KIND is one of {', '.join(workers)}")
     print(json.dumps(workers[sys.argv[1]](json.loads(sys.argv[2]))))

@@ -100,20 +100,14 @@ def _run_threads(run, workers: int, what: str) -> float:
 
 def _thread_rates(tree: str, seconds: float, workers: list[int]) -> dict:
     """Images/s of 1..N threads that share nothing, each decoding (PIL, which releases the GIL) and resizing to 224
-    the tree's training JPEGs re-encoded at FFCV's 384-pixel side, for as long as the others: the most this
-    machine's cores give threads that never wait for each other, the ceiling of a loader's scaling. The thread
-    counts take turns, a second at a time."""
+    the tree's training JPEGs (as the FFCV .beton keeps them), for as long as the others: the most this machine's
+    cores give threads that never wait for each other, the ceiling of a loader's scaling. The thread counts take
+    turns, a second at a time."""
     import io
 
     from PIL import Image
 
-    blobs = []
-    for f in sorted(Path(tree, "train").rglob("*.JPEG"))[:128]:
-        img = Image.open(f).convert("RGB")
-        img.thumbnail((384, 384))
-        buf = io.BytesIO()
-        img.save(buf, "JPEG", quality=90)
-        blobs.append(buf.getvalue())
+    blobs = [f.read_bytes() for f in sorted(Path(tree, "train").rglob("*.JPEG"))[:128]]
 
     def one(until: float, counts: list, k: int) -> None:
         i = k * 37
@@ -131,7 +125,11 @@ def _thread_rates(tree: str, seconds: float, workers: list[int]) -> dict:
     return {str(w): n[w] / wall[w] for w in workers}
 
 
-FORMATS = ("imagefolder", "wds", "ffcv")
+FORMATS = ("imagefolder", "wds", "ffcv", "ffcv_384_q90")
+"""The candidates' formats; ``ffcv_384_q90``: FFCV from a .beton prepared as before (``--write-mode jpg
+--max-resolution 384``: every image shrunk and re-encoded), beside ``ffcv``'s (``prep ffcv``'s default: the
+source JPEGs kept)."""
+LOADER_FORMAT = {"ffcv_384_q90": "ffcv"}
 RECIPES = ("crop_flip", "full")
 MODES = ("cpu", "device")
 
@@ -215,7 +213,8 @@ def _loader_rates(spec: dict) -> dict:
     "free_threads", images/s per worker count. This VM's 2 cores give threads that share nothing anything from
     1.4x to 1.9x depending on the moment, so the loader's scaling is only meaningful next to it."""
     keys = [(t, w) for t in RECIPES for w in spec["workers"]]
-    loaders = {k: _build_loader(spec["loader"], spec["path"], k[0], spec["mode"], k[1]) for k in keys}
+    fmt = LOADER_FORMAT.get(spec["loader"], spec["loader"])
+    loaders = {k: _build_loader(fmt, spec["path"], k[0], spec["mode"], k[1]) for k in keys}
     zero = dict.fromkeys(keys, 0.0)
     n, wall, images, cpu = dict(zero), dict(zero), dict(zero), dict(zero)
     free = {w: [0, 0.0] for w in spec["workers"]} if spec["loader"] == "ffcv" and spec["mode"] == "device" else {}
@@ -309,15 +308,31 @@ def _targets(ratios: dict, device_stage: dict, device: str) -> dict:
     }
 
 
+def _beton_sizes(folder: Path, manifest: dict) -> dict:
+    """The training .beton's size on disk (whole ffcv pages) and the bytes of its images (the allocations: for a
+    kept JPEG, the file itself), beside the source JPEGs'."""
+    from ..ffcv_threads import importing_ffcv
+
+    with importing_ffcv():
+        from ffcv.reader import Reader
+
+    (name,) = manifest["splits"]["train"]["files"]
+    sources = sum(Path(p).stat().st_size for p in Path(manifest["source"], "train").rglob("*.JPEG"))
+    return {"file_bytes": (folder / name).stat().st_size, "image_bytes": int(Reader(str(folder / name)).alloc_table[
+        "size"].sum()), "source_jpeg_bytes": sources}
+
+
 def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> dict:
     from data_prep import PrepOptions, prepare
 
     workers = sorted({1, 2, usable_cpus()})
     per_class = max(160, math.ceil(2 * workers[-1] * BATCH / 4))  # epochs of 2N batches at least
     tree = make_photo_tree(work / "tree", per_class=per_class)
-    paths = {"imagefolder": tree, "wds": work / "wds", "ffcv": work / "ffcv"}
+    paths = {"imagefolder": tree, "wds": work / "wds", "ffcv": work / "ffcv", "ffcv_384_q90": work / "ffcv_384_q90"}
     prepare(tree, paths["wds"], PrepOptions(fmt="wds", shard_size=40, workers=2))
-    prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2))
+    betons = {"ffcv": prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2)),
+              "ffcv_384_q90": prepare(tree, paths["ffcv_384_q90"], PrepOptions(fmt="ffcv", write_mode="jpg",
+                                                                             max_resolution=384, workers=2))}
     cands = [("decode", None), ("threads", None), ("device_stage", None)] + [(f, m) for f in FORMATS for m in MODES]
     best: dict = {}
     ratios: dict = {"ffcv_full_2_vs_1_workers": [], "ffcv_full_vs_crop_flip": [], "threads_2_vs_1": [],
@@ -369,6 +384,7 @@ def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> 
             v = loaders[f][t]["cpu"]["1"]["images_per_s"]
             results[f"{f}/{t}"] = {"images_per_s": v, "vs_raw_decode": v / raw}
     return {"seconds": seconds, "rounds": rounds, "workers": workers, "device": device, "results": results,
+            "ffcv_train_beton": {k: _beton_sizes(paths[k], m) for k, m in betons.items()},
             "loaders": loaders, "threads_images_per_s": threads, "ffcv_free_threads_images_per_s": free_threads,
             "device_stage_images_per_s": {"device": device, "img_size": 224, **device_stage},
             "targets": _targets(ratios, device_stage, device)}

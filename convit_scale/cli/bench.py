@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .argtypes import non_negative_int, positive_float, positive_int
 
-KINDS = ("model", "data", "memory", "distill", "mfu")
+KINDS = ("model", "data", "memory", "distill", "mfu", "inference", "pixels")
 """The benchmarks, one module each in convit_scale/bench/ (imported only when one runs: they import torch)."""
 
 
@@ -15,7 +15,7 @@ def _cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu)",
+    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu, inference, pixels)",
                        description="Measure candidates side by side, each in a fresh process, in interleaved rounds; "
                                    "writes OUT/bench_WHAT.json. `bench data` needs the bench extra "
                                    "(pip install -e '.[bench]').")
@@ -23,8 +23,9 @@ def register(sub) -> None:
     p.add_argument("--out", default="runs/bench", help="folder for bench_WHAT.json and the benchmarks' work files")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="auto: bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--batch", type=positive_int, help="images per step (default model: 8, distill: 4, mfu: 64)")
+                   help="auto: fp32 for inference (Table 1's speed column), else bf16 on a GPU and fp32 on the CPU")
+    p.add_argument("--batch", type=positive_int,
+                   help="images per step (default model: 8, distill: 4, mfu: 64, inference: 128)")
     p.add_argument("--steps", type=positive_int, default=3, help="model, distill, mfu: timed steps per round")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="model, data, distill: interleaved rounds (A B C A B C); the best round is kept")
@@ -34,7 +35,11 @@ def register(sub) -> None:
     p.add_argument("--worlds", default="1,2,4", help="memory: comma-separated world sizes")
     p.add_argument("--strategies", default="ddp,fsdp2,zero1,zero2,zero3", help="memory: comma-separated strategies")
     p.add_argument("--models", default="convit_small_plus,convit_base_plus", help="mfu: comma-separated models")
-    p.add_argument("--warmup", type=non_negative_int, default=3, help="mfu: untimed steps first")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="mfu, inference: untimed steps first")
+    p.add_argument("--sizes", default="tiny,tiny_plus,small,small_plus,base,base_plus",
+                   help="inference: Table 1's sizes, each as DeiT and ConViT")
+    p.add_argument("--photos", nargs="+", help="pixels: JPEG photographs (default: scikit-learn's two)")
+    p.add_argument("--boxes", type=positive_int, default=200, help="pixels: crop boxes per photograph")
     p.add_argument("--peak-tflops", type=positive_float,
                    help="mfu: the device's dense peak (default: the known GPUs' bf16 peak, convit_scale/hardware.py)")
     p.add_argument("--compile", action="store_true", help="mfu: torch.compile each block")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-from .argtypes import fractions, names, positive_float, positive_int
+from .argtypes import fractions, names, non_negative_int, positive_float, positive_int
 
 
 def _cmd_demo(args) -> int:
@@ -27,9 +28,17 @@ def _cmd_experiment(args) -> int:
         raise ValueError(f"--models: unknown model(s) {', '.join(unknown)}; allowed: {', '.join(MODELS)}")
     table = run_sample_efficiency(Path(args.out), fractions=args.fractions, base_epochs=args.base_epochs,
                                   models=args.models, nproc=args.nproc, train_per_class=args.train_per_class,
-                                  val_per_class=args.val_per_class, jobs=args.jobs)
+                                  val_per_class=args.val_per_class, jobs=args.jobs, seeds=tuple(args.seeds))
     print(table["markdown"])
     return 0
+
+
+def _seeds(text: str) -> list[int]:
+    """--seeds: comma-separated distinct integers >= 0."""
+    seeds = [non_negative_int(part) for part in names(text)]
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: a seed given twice")
+    return seeds
 
 
 def register(sub) -> None:
@@ -51,8 +60,10 @@ def register(sub) -> None:
     p.add_argument("which", choices=["sample-efficiency"],
                    help="sample-efficiency: Table 2 at small size (DeiT vs ConViT on subsets of Fashion-MNIST)")
     p.add_argument("--out", default="runs/sample_efficiency", help="folder for the runs, the table and the plot")
-    p.add_argument("--fractions", type=fractions, default=[0.05, 0.1, 0.3, 1.0],
-                   help="comma-separated subset fractions, each in (0, 1] (default 0.05,0.1,0.3,1)")
+    p.add_argument("--fractions", type=fractions, default=[0.05, 0.1, 0.3, 0.5, 1.0],
+                   help="comma-separated subset fractions, each in (0, 1] (default: Table 2's 0.05,0.1,0.3,0.5,1)")
+    p.add_argument("--seeds", type=_seeds, default=[0],
+                   help="comma-separated seeds, a run of each (model, f) per seed (default 0)")
     p.add_argument("--models", type=names, default=["convit_micro", "deit_micro"],
                    help="comma-separated models (default convit_micro,deit_micro)")
     p.add_argument("--base-epochs", type=positive_float, default=12,

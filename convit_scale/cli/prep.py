@@ -24,8 +24,9 @@ def _cmd_convert(args) -> int:
         own = {"shard_size": args.shard_size, "seed": args.seed}
     else:
         own = {"max_resolution": args.max_resolution, "jpeg_quality": args.jpeg_quality, "write_mode": args.write_mode}
-    opts = PrepOptions(fmt=args.fmt, subset_fraction=args.subset_fraction, strict=args.strict, workers=args.workers,
-                       val_labels=args.val_labels, val_synsets=args.val_synsets, **own)
+    opts = PrepOptions(fmt=args.fmt, subset_fraction=args.subset_fraction, num_classes=args.num_classes,
+                       strict=args.strict, workers=args.workers, val_labels=args.val_labels,
+                       val_synsets=args.val_synsets, **own)
     manifest = prepare(args.src, args.out, opts)
     for split, info in manifest["splits"].items():
         print(f"{split}: {info['num_samples']} images in {len(info['files'])} file(s), {len(info['skipped'])} skipped")
@@ -58,6 +59,8 @@ def _convert_options(p, fmt: str) -> None:
     p.add_argument("--out", help="output folder (new, empty, or an earlier `prep %s` output to resume)" % fmt)
     p.add_argument("--subset-fraction", type=fraction, default=1.0,
                    help="Table 2: first floor(n_c*f) files per class, f in (0, 1]")
+    p.add_argument("--num-classes", type=positive_int, default=None,
+                   help="keep only the first N classes (sorted), train and val: the appendix's 100-class experiments")
     p.add_argument("--strict", action="store_true", help="fail on unreadable files instead of skipping them")
     p.add_argument("--workers", type=positive_int, default=usable_cpus(),
                    help="parallel processes (default: the CPUs this process may use, here %(default)s)")
@@ -69,13 +72,16 @@ def _convert_options(p, fmt: str) -> None:
 def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
     parsers = {}
     p = parsers["ffcv"] = prep_sub.add_parser("ffcv", help="ImageNet-style tree -> FFCV .beton files",
-                                              description="Convert to FFCV: one .beton per split, images re-encoded.")
+                                              description="Convert to FFCV: one .beton per split, each JPEG's own bytes "
+                                                          "kept where the loader decodes them as PIL does.")
     _convert_options(p, "ffcv")
-    p.add_argument("--max-resolution", type=positive_int, default=384,
-                   help="max image side in pixels (see data_prep/convert.py)")
-    p.add_argument("--jpeg-quality", type=int_between(1, 100), default=90, help="JPEG quality of re-encoded images, 1..100")
-    p.add_argument("--write-mode", default="jpg", choices=["jpg", "raw", "proportion", "smart"],
-                   help="how FFCV stores images (raw: no re-encoding, several times the disk)")
+    p.add_argument("--write-mode", default="keep", choices=["keep", "jpg", "raw", "proportion", "smart"],
+                   help="keep (each JPEG's own bytes where the loader decodes them to PIL's pixels, the rest as raw "
+                        "pixels) or one of ffcv's modes; the earlier default: --write-mode jpg --max-resolution 384")
+    p.add_argument("--max-resolution", type=positive_int, default=None,
+                   help="shrink images whose longer side is above this (default: every image at its size)")
+    p.add_argument("--jpeg-quality", type=int_between(1, 100), default=90,
+                   help="JPEG quality of the images prep encodes, 1..100 (kept JPEGs keep their own)")
     p = parsers["wds"] = prep_sub.add_parser("wds", help="ImageNet-style tree -> WebDataset tar shards",
                                              description="Convert to WebDataset: tar shards of the original JPEG bytes.")
     _convert_options(p, "wds")

@@ -1,9 +1,11 @@
 """FFCV .beton files through ffcv's Loader, with the epoch plan as its traversal order.
 
-This module imports ffcv; ``build_loader`` imports it only for ``data.format: ffcv``. Differences from
-timm, by FFCV's design: the crop is decoded and resized in one step with OpenCV's INTER_AREA (not
-bicubic), and eval crops the centre square (ratio 0.875) before resizing rather than resizing to 256
-first (same geometry). RandAugment, normalisation and random erasing are timm's.
+This module imports ffcv; ``build_loader`` imports it only for ``data.format: ffcv``. The pixels are timm's: each
+JPEG is decoded as PIL decodes it (``jpeg.py``: turbojpeg with libjpeg's defaults, where ffcv's own decoder uses
+its fast inverse DCT), the train crop is resized and the eval view made with PIL's own resampling (``resample.py``:
+bicubic by default, antialiased, the eval image resized to a shorter side of ``img_size / eval_crop_ratio`` and
+centre-cropped), where ffcv resizes with OpenCV's INTER_AREA and crops the eval centre square before resizing.
+For the same crop box they give timm's pixels exactly. RandAugment, normalisation and random erasing are timm's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from ..ffcv_threads import importing_ffcv
 with importing_ffcv():
     import ffcv.loader.loader as ffcv_loader_module
     from ffcv.fields.basics import IntDecoder
-    from ffcv.fields.rgb_image import IMAGE_MODES, CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
-    from ffcv.libffcv import imdecode, resize_crop
+    from ffcv.fields.rgb_image import IMAGE_MODES, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader
     from ffcv.loader.epoch_iterator import select_buffer
     from ffcv.loader.loader import ORDER_MAP
@@ -40,8 +41,10 @@ from ..config import DataConfig
 from .batch import Batch
 from .faults import DataError, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec
+from ..jpeg import decode_rgb
 from .order import view_seeds
 from .private_aug import PrivateAugment
+from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
 from .transforms import MEAN, STD
 from .wds import read_manifest
 
@@ -64,6 +67,29 @@ def _serial(cls, n: int) -> None:
 
 
 Compiler.set_num_threads = classmethod(_serial)
+
+_READ_ONLY_BYTES = numba.types.Array(numba.uint8, 1, "C", readonly=True)
+
+
+def _state_type(self):
+    """ffcv's ``OSCacheManager.state_type`` without its side effect. ffcv sets ``mutable = False`` on the object
+    ``numba.uint8[::1]`` returns, which is numba's one shared type of every writable uint8 vector: from then on such
+    vectors type as read-only in the whole process, a write into one no longer compiles, and numba's tables keyed
+    by that type break (a KeyError when a second pipeline calls a compiled function a first one called)."""
+    return numba.types.Tuple([_READ_ONLY_BYTES, numba.uint64[::1], numba.uint64[::1]])
+
+
+def _compile_reader(self):
+    """ffcv's ``OSCacheManager.compile_reader``, typed with a read-only type of its own (``_state_type``)."""
+    def read(address, mem_state):
+        size = mem_state[2][np.searchsorted(mem_state[1], address)]
+        return mem_state[0][address:address + size]
+
+    return Compiler.compile(read, _READ_ONLY_BYTES(numba.uint64, self.state_type))
+
+
+OSCacheManager.state_type = property(_state_type)
+OSCacheManager.compile_reader = _compile_reader
 
 ORDER_KEY = "convit_scale_plan"
 ORDER_MAP[ORDER_KEY] = PlanOrder  # ffcv refuses an order class that is not registered
@@ -130,64 +156,85 @@ def _flip_in_place(img):  # (H, W, 3) uint8
 
 
 def _decode_or_next(mem_read):
-    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch) -> (height, width, pixels)``: the image
-    of view ``dst_ix`` of a batch, decoded into ``scratch`` (a raw image: its stored pixels), else, if turbojpeg
-    refuses its JPEG, the next view of the batch (cyclically) that decodes, with ``REPLACED`` set on the view's id
-    in place (ffcv passes the traversal order's own memory), where FfcvLoader finds it to fix the label and list
-    it. ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG silently becomes whatever the buffer held.
-    If no view of the batch decodes, the view's own size over ``scratch``: FfcvLoader raises for that batch."""
-    jpg, imdecode_c = IMAGE_MODES["jpg"], Compiler.compile(imdecode)
+    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch) -> (height, width)``: the image of view
+    ``dst_ix`` of a batch as flat RGB bytes (``height x width x 3``) in ``scratch``, decoded as PIL decodes it
+    (``jpeg.decode_rgb``) or copied as stored (a raw image: one type of buffer for the resize to read, whatever the
+    image's mode), else, if turbojpeg refuses its JPEG, the next view of the batch (cyclically) that decodes, with
+    ``REPLACED`` set on the view's id in place (ffcv passes the traversal order's own memory), where FfcvLoader
+    finds it to fix the label and list it. ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG
+    silently becomes whatever the buffer held. If no view of the batch decodes, the view's own size over
+    ``scratch``: FfcvLoader raises for that batch."""
+    jpg = IMAGE_MODES["jpg"]
 
     def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch):
         n = len(batch_indices)
         own = metadata[batch_indices[dst_ix] & FILE_INDEX]
         height, width = np.uint32(own["height"]), np.uint32(own["width"])
-        temp_buffer = scratch.reshape(-1)[:3 * height * width].reshape(height, width, 3)
         for attempt in range(n):  # the view itself, else the next one of the batch that decodes
             field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
             image_data = mem_read(field["data_ptr"], storage_state)
             src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
             if field["mode"] != jpg:
-                return src_h, src_w, image_data.reshape(src_h, src_w, 3)
-            if imdecode_c(image_data, scratch, src_h, src_w, src_h, src_w, 0, 0, 1, 1, False, False) == 0:
-                return src_h, src_w, scratch.reshape(-1)[:3 * src_h * src_w].reshape(src_h, src_w, 3)
+                scratch[:image_data.size] = image_data
+                return src_h, src_w
+            if decode_rgb(image_data, scratch, src_h, src_w) == 0:
+                return src_h, src_w
             if attempt == 0:
                 batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
-        return height, width, temp_buffer
+        return height, width
 
     return Compiler.compile(decode_or_next)
 
 
-class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
-    """Decode, RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and horizontal flip in one compiled stage,
-    with the parameters drawn from the view's seed (the high bits of the id) rather than numba's
-    unseeded generator.
+class SlotScratch(AllocationQuery):
+    """Memory a decoder needs once per batch slot, not once per image: ``_allocate`` gives it one row per slot. A
+    batch is one thread's (``_EpochIterator``) and its images are decoded one after the other into that row."""
+
+
+class _TimmPixelsDecoder(RandomResizedCropRGBImageDecoder):
+    """What both decoders share: their memory (the output, one scratch row for the largest image, one for the
+    resize's horizontal pass) and their filter (``data.interpolation``, PIL's).
+
+    ffcv gives every image of every slot a scratch row (batch x the largest height x the largest width x 3 bytes
+    per slot: with the originals kept and a 4000 x 5000 largest photograph, 3.8 GB of address space per slot at
+    batch 64); here a slot has one row, and only the bytes of the images it decoded are ever touched. A JPEG decoded into a cold row, then read by the
+    resize, costs memory traffic too: one row per slot measured +24% images/s with one worker (722 -> 898, 2 cores,
+    the earlier OpenCV resize)."""
+
+    def __init__(self, output_size, interpolation: str, scale=(0.08, 1.0)):
+        super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
+        self.kind = FILTERS[interpolation]
+
+    def declare_state_and_memory(self, previous_state):
+        state, (output, _) = super().declare_state_and_memory(previous_state)
+        largest = np.uint64(self.max_height) * np.uint64(self.max_width) * np.uint64(3)
+        mid = np.uint64(self.max_height) * np.uint64(self.output_size[1]) * np.uint64(3)
+        return state, (output, SlotScratch((largest,), np.dtype("<u1")), SlotScratch((mid,), np.dtype("<u1")))
+
+
+class SeededCropFlipDecoder(_TimmPixelsDecoder):
+    """Decode, RandomResizedCrop (scale ``crop_scale``, ratio 3/4-4/3) and horizontal flip in one compiled stage,
+    with the parameters drawn from the view's seed (the high bits of the id) rather than numba's unseeded generator,
+    and the crop resized as timm does (``resample.resized_crop``).
 
     A view whose JPEG fails to decode takes the next view of the batch that decodes (``_decode_or_next``), cropped
-    and flipped with its own seed.
+    and flipped with its own seed."""
 
-    A batch is one thread's (``_EpochIterator``), and its JPEGs are decoded one after the other into the slot's
-    first scratch row, not each into a row of its own: ffcv gives every image of every slot one (slots x batch x
-    the largest image: 141 MB at 5 slots, batch 64 and a 384-pixel side), and a JPEG decoded into a cold row, then
-    read by the resize, costs memory traffic. Measured on 2 cores in one process, taking turns: +24% images/s with
-    one worker (722 -> 898)."""
-
-    def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0)):
-        super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
+    def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0), interpolation: str = "bicubic"):
+        super().__init__(output_size, interpolation, scale)
         self.flip_prob = flip_prob
 
     def generate_code(self):
-        decode_or_next, resize_crop_c = _decode_or_next(self.memory_read), Compiler.compile(resize_crop)
-        scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
+        decode_or_next = _decode_or_next(self.memory_read)
+        scale, log_ratio, flip_prob, kind = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob, self.kind
 
         def decode(batch_indices, my_storage, metadata, storage_state):
-            destination, temp_storage = my_storage
-            n, scratch = len(batch_indices), temp_storage[0]  # a batch is one thread's (_EpochIterator)
-            for dst_ix in range(n):
+            destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
+            for dst_ix in range(len(batch_indices)):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
-                height, width, temp_buffer = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
+                height, width = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
                 i, j, h, w = _seeded_crop(height, width, scale, log_ratio, view_seed)
-                resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
+                resized_crop(scratch, width, i, j, h, w, destination[dst_ix], kind, mid)
                 if _uniform(view_seed, 40) < flip_prob:
                     _flip_in_place(destination[dst_ix])
             return destination[:len(batch_indices)]
@@ -195,26 +242,26 @@ class SeededCropFlipDecoder(RandomResizedCropRGBImageDecoder):
         return decode
 
 
-class CenterCropScratchDecoder(CenterCropRGBImageDecoder):
-    """ffcv's eval decoder (centre crop of ``ratio``, resized) with the JPEGs decoded one after the other into the
-    slot's first scratch row, as ``SeededCropFlipDecoder`` does, instead of a row per image: the slot count grows
-    with the workers (``_EpochIterator``), and at an eval batch of 128 a row per image is 56 MB per slot.
+class TimmEvalDecoder(_TimmPixelsDecoder):
+    """timm's eval view in one compiled stage: decode, resize the shorter side to ``img_size / crop_ratio`` (256 for
+    224 at 0.875), centre-crop ``img_size`` (``resample.resized_center_crop``).
 
     A JPEG that fails to decode is handled as in training (``_decode_or_next``), and as the ImageFolder and
     WebDataset eval loaders handle an unreadable file: FfcvLoader fixes the label, lists the view and counts it
     against ``data.max_bad_samples``."""
 
+    def __init__(self, output_size, crop_ratio: float, interpolation: str = "bicubic"):
+        super().__init__(output_size, interpolation)
+        self.short_side = eval_short_side(output_size[0], crop_ratio)
+
     def generate_code(self):
-        decode_or_next, resize_crop_c = _decode_or_next(self.memory_read), Compiler.compile(resize_crop)
-        ratio, center_crop = self.ratio, Compiler.compile(self.get_crop_generator)
+        decode_or_next, short_side, kind = _decode_or_next(self.memory_read), self.short_side, self.kind
 
         def decode(batch_indices, my_storage, metadata, storage_state):
-            destination, temp_storage = my_storage
-            n, scratch = len(batch_indices), temp_storage[0]  # a batch is one thread's (_EpochIterator)
-            for dst_ix in range(n):
-                height, width, temp_buffer = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
-                i, j, h, w = center_crop(height, width, None, ratio)
-                resize_crop_c(temp_buffer, i, i + h, j, j + w, destination[dst_ix])
+            destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
+            for dst_ix in range(len(batch_indices)):
+                height, width = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
+                resized_center_crop(scratch, height, width, short_side, destination[dst_ix], kind, mid)
             return destination[:len(batch_indices)]
 
         return decode
@@ -269,9 +316,10 @@ def _allocate(graph, batch_size: int, slots: int) -> dict:
     requirements, _ = graph.collect_requirements()
 
     def one(q: AllocationQuery):
+        rows = 1 if isinstance(q, SlotScratch) else batch_size
         if isinstance(q.dtype, torch.dtype):
-            return [torch.empty(batch_size, *q.shape, dtype=q.dtype, device=q.device) for _ in range(slots)]
-        return np.empty((slots, batch_size, *q.shape), dtype=q.dtype)
+            return [torch.empty(rows, *q.shape, dtype=q.dtype, device=q.device) for _ in range(slots)]
+        return np.empty((slots, rows, *q.shape), dtype=q.dtype)
 
     return {kind: {node: (one(q) if isinstance(q, AllocationQuery) else
                           tuple(one(x) for x in q) if isinstance(q, (tuple, list)) else None)
@@ -424,17 +472,19 @@ class FfcvLoader:
     def _image_pipeline(self) -> list:
         d, size, on_device = self.d, self.spec.img_size, self.spec.augment_on_device
         if not self.spec.train:
-            return [CenterCropScratchDecoder((size, size), ratio=d.eval_crop_ratio), ToTensor(),
+            return [TimmEvalDecoder((size, size), d.eval_crop_ratio, d.interpolation), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
         if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
-            return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), ToTensor(), ToTorchImage()]
+            return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation), ToTensor(),
+                    ToTorchImage()]
         from timm.data import create_transform
 
         _, secondary, final = create_transform(
             input_size=size, is_training=True, hflip=0.0, color_jitter=d.color_jitter,
             auto_augment=d.rand_augment, interpolation=d.interpolation, re_prob=d.reprob,
             re_mode="pixel", re_count=1, separate=True)
-        return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale), PrivateTimmStage(PrivateAugment(secondary, final), size)]
+        return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation),
+                PrivateTimmStage(PrivateAugment(secondary, final), size)]
 
     def _ffcv_loader(self) -> Loader:
         """Built once: each ffcv Loader compiles its pipeline with numba (seconds)."""

@@ -147,3 +147,8 @@ def _finish(run: Run, state: TrainState, path) -> None:
                                p is q for g in run.strategy.optimizer.param_groups for p in g["params"]
                                for q in run.teacher.parameters())})
     run.metrics.write({"kind": "end", **final})
+    paper, key = run.cfg.paper, run.cfg.paper.compare_with
+    if paper.top1 is not None and key in final:  # the number to set beside the paper's (Table 1 is the final epoch)
+        log(run.ctx, f"the paper's Table {paper.table} {paper.row}: top-1 {paper.top1}; this run: {key} "
+                     f"{final[key]:.2f} (final {final['top1']:.2f}, best {final['best_top1']:.2f} at epoch "
+                     f"{final['best_epoch']})")

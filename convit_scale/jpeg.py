@@ -1,0 +1,70 @@
+"""JPEG decoding as PIL decodes it, callable from FFCV's compiled stages and from Python.
+
+timm's loaders (and the paper's) decode with PIL: libjpeg-turbo with its defaults, the accurate integer inverse
+DCT and "fancy" (smooth) chroma upsampling. ffcv's own ``imdecode`` asks turbojpeg for ``TJFLAG_FASTDCT``, the fast
+inverse DCT, which moves pixels by a level or more (BENCHMARKS.md, "FFCV against timm"). ``decode_rgb`` calls
+turbojpeg, the library ffcv links, with no flags: libjpeg's defaults, so its pixels are PIL's, bit for bit
+(``tests/test_jpeg.py``). A handle is made and freed per image (about 2 us; ffcv keeps one per thread in
+thread-local storage, which compiled code cannot reach).
+
+turbojpeg returns -1 for an error and also for a warning (a JPEG with extraneous bytes before a marker decodes,
+with a warning): ``prep ffcv`` stores such an image as PIL decodes it instead of its bytes, so a loader never sees
+one from a prepared file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import numba
+import numpy as np
+
+
+def _library() -> ctypes.CDLL:
+    name = ctypes.util.find_library("turbojpeg") or "libturbojpeg.so.0"
+    try:
+        return ctypes.CDLL(name)
+    except OSError as e:
+        raise ImportError(f"libturbojpeg is not installed ({e}): FFCV needs it too; on Debian: apt-get install "
+                          f"libturbojpeg0") from e
+
+
+_lib = _library()
+_init = _lib.tjInitDecompress
+_init.restype, _init.argtypes = ctypes.c_void_p, []
+_destroy = _lib.tjDestroy
+_destroy.restype, _destroy.argtypes = ctypes.c_int, [ctypes.c_void_p]
+_decompress = _lib.tjDecompress2  # (handle, jpeg, size, dst, width, pitch, height, pixel format, flags)
+_decompress.restype = ctypes.c_int
+_decompress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+TJPF_RGB = 0
+"""turbojpeg's pixel format: R, G, B bytes, rows packed (pitch 0 = width x 3)."""
+LIBJPEG_DEFAULTS = 0
+"""turbojpeg flags: none, so neither TJFLAG_FASTDCT nor TJFLAG_FASTUPSAMPLE: libjpeg's defaults, as PIL decodes."""
+
+
+@numba.njit(nogil=True)
+def decode_rgb(data, dst, height, width):
+    """Decode the JPEG ``data`` (uint8, 1-D) into the first ``height x width x 3`` bytes of ``dst`` (contiguous
+    uint8), as PIL decodes it. Returns 0, or -1 when turbojpeg refuses the data or warns about it."""
+    handle = _init()
+    rc = _decompress(handle, data.ctypes.data, data.size, dst.ctypes.data, width, 0, height, TJPF_RGB,
+                     LIBJPEG_DEFAULTS)
+    _destroy(handle)
+    return rc
+
+
+def decode_rgb_array(data: bytes, height: int, width: int) -> np.ndarray | None:
+    """``decode_rgb`` from Python (no compilation): the (height, width, 3) pixels, or None where it returns -1."""
+    src = np.frombuffer(data, dtype=np.uint8)
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    handle = _init()
+    try:
+        rc = _decompress(handle, src.ctypes.data, src.size, out.ctypes.data, width, 0, height, TJPF_RGB,
+                         LIBJPEG_DEFAULTS)
+    finally:
+        _destroy(handle)
+    return out if rc == 0 else None

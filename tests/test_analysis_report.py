@@ -1,0 +1,64 @@
+"""`analyze`: masking on the whole validation split, and layer-by-layer CKA against a ResNet from a local file."""
+
+import json
+
+import torch
+
+from convit_scale import create_model
+
+
+def _resnet_file(path):
+    """A timm ResNet with random weights in a local file: nothing downloads."""
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file(timm.create_model("resnet10t", pretrained=False, num_classes=10).state_dict(), str(path))
+    return path
+
+
+def test_analyze_masks_any_layer_on_all_images_and_compares_with_a_resnet(fm_wds, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from convit_scale.cli import main
+
+    weights = tmp_path / "m.safetensors"
+    save_file(create_model("convit_nano", num_classes=10).state_dict(), str(weights))
+    resnet = _resnet_file(tmp_path / "resnet10t.safetensors")
+    out = tmp_path / "analysis"
+    argv = ["analyze", "--checkpoint", str(weights), "--model", "convit_nano", "--data", str(fm_wds),
+            "--format", "wds", "--out", str(out), "--images", "40", "--device", "cpu"]
+    assert main([*argv, "--masking", "last", "0", "--masking-images", "all", "--compare", str(resnet),
+                 "--compare-model", "resnet10t"]) == 0
+    r = json.loads((out / "analysis.json").read_text())
+    assert r["images"] == 40 and r["masking_images"] == 200  # the whole validation split, streamed
+    assert set(r["masking_top1"]) == {"none", "position_embedding", "content_attention_last",
+                                      "position_attention_last", "content_attention_layers_0",
+                                      "position_attention_layers_0"}
+    # every block of the ConViT (rows) against every residual block of the ResNet (columns), as a heatmap
+    assert r["compare_layers"] == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
+    cka = torch.tensor(r["cka_compare"])
+    assert cka.shape == (3, 4) and bool(((cka > -0.2) & (cka < 1.0 + 1e-6)).all())
+    assert (out / "cka_compare.png").stat().st_size > 1000 and "compare_nonlocality" not in r
+    assert "masking top-1 on 200 images" in capsys.readouterr().out
+    assert main([*argv, "--masking-images", "10"]) == 0  # fewer than --images: the first 10 of those in memory
+    assert json.loads((out / "analysis.json").read_text())["masking_images"] == 10
+    for bad, message in ((["--masking", "2"], "GPSA layers [2], the model has 2"),
+                         (["--masking", "middle"], "--masking"),
+                         (["--compare", str(resnet), "--compare-model", "resnet_nope"], "resnet_nope")):
+        capsys.readouterr()
+        assert main([*argv, *bad]) == 2
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert message in line, line
+
+
+def test_cka_of_a_resnet_with_itself_is_one_on_the_diagonal():
+    import timm
+
+    from convit_scale.analysis.report import cka_matrix
+
+    torch.manual_seed(0)
+    cnn = timm.create_model("resnet10t", pretrained=False, num_classes=10).eval()
+    batches = [(torch.randn(8, 3, 32, 32), None) for _ in range(2)]
+    m = cka_matrix(cnn, cnn, batches)
+    assert m.shape == (4, 4) and torch.allclose(m.diagonal(), torch.ones(4, dtype=m.dtype), atol=1e-6)
