@@ -123,8 +123,9 @@ def test_low_precision_clipping_and_keep_last(shared, reference_losses, strategy
     for got, ref in zip([x["loss"] for x in recs], reference_losses):
         assert abs(got - ref) < 0.05  # bf16 rounding, same data and init
     assert any(x["grad_norm"] > 0.5 for x in recs)  # the norm before clipping is what is logged
-    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    names = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert names == ["step_000000003", "step_000000004"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000000004"
 
 
 @pytest.mark.slow
@@ -172,7 +173,7 @@ def test_nan_policy_skip_and_stop(shared):
     # stop: the good checkpoint of step 2 stays the newest; nothing is written after the NaN
     out, status = shared["policy-stop"]
     assert status == 3
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000001", "step_000000002"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000000001", "step_000000002"]
     assert json.loads((out / "checkpoints" / "step_000000002" / "meta.json").read_text())["step"] == 2
 
 
@@ -245,6 +246,7 @@ def _assert_resume_is_bit_identical(tmp_path, fmt, data_dir, stop, total, **kw):
     res = run_ranks(part, f"schedule.max_steps={total}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and f"step_{stop:09d}" in res.stdout
+    assert f"resumed step {stop} from 2 rank(s) on 2" in res.stdout
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
     assert len(losses(tmp_path / "a")) == total
 
@@ -299,7 +301,7 @@ def test_stop_signal_saves_and_exits_for_requeue_then_resumes(fm_tree, tmp_path)
     step = stopped[0]["step"]
     res = run_ranks(r, f"schedule.max_steps={step + 2}")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert f"at step {step}" in res.stdout
+    assert f"at step {step}" in res.stdout and f"resumed step {step} from 2 rank(s) on 2" in res.stdout
     assert records(tmp_path / "out", "end")[0]["step"] == step + 2
     assert not (tmp_path / "out" / "STOPPED_FOR_REQUEUE").exists()
 

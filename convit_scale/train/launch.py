@@ -76,8 +76,8 @@ def run_recipe(cfg: Config, nproc: int = 1, env: dict | None = None, in_process:
     second interpreter) and otherwise in a child process, so that a library caller keeps its own state."""
     if nproc < 1:
         raise ValueError(f"nproc = {nproc}: the number of local processes must be at least 1")
-    check_world(cfg, nproc)
     preflight(cfg)
+    check_world(cfg, nproc)
     if nproc == 1 and in_process and not env:
         return exit_status(cfg)
     args = ["--config", str(write_resolved(cfg))]
