@@ -1,4 +1,4 @@
-"""A real local Slurm cluster for the tests: munged, slurmctld and two slurmd ("n1", "n2") on loopback.
+"""A real local Slurm cluster for the tests: munged, slurmctld and N slurmd ("n1", "n2", ...) on loopback.
 
 Everything (config, keys, state, logs, sockets) lives in one private directory; daemons listen on
 127.0.0.1 only. Needs root and Debian's slurmctld, slurmd, slurm-client and munge (``make test``
@@ -38,10 +38,13 @@ def missing_requirements() -> str | None:
 
 
 class LocalSlurm:
-    def __init__(self, root: Path, nodes: int = 2, cpus: int = 1):
+    def __init__(self, root: Path, nodes: int = 2, cpus: int = 1, gpus: int = 1):
+        """``nodes`` slurmd on this host, each declaring ``cpus`` CPUs (more than the host has is allowed: slurmd
+        reports the configured count, ``SlurmdParameters=config_overrides``) and ``gpus`` count-only GPUs."""
         self.root = root
         self.nodes = [f"n{i + 1}" for i in range(nodes)]
         self.cpus = cpus
+        self.gpus = gpus
         self.procs: list[subprocess.Popen] = []
         self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
 
@@ -64,13 +67,14 @@ class LocalSlurm:
         self._wait(lambda: sock.exists(), "munged socket")
         ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
         nodes_cfg = "\n".join(
-            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} Gres=gpu:1 State=UNKNOWN"
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} Gres=gpu:{self.gpus} State=UNKNOWN"
             for n, p in zip(self.nodes, node_ports))
         (r / "slurm.conf").write_text(f"""ClusterName=convit-scale-test
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
+SlurmdParameters=config_overrides
 AuthType=auth/munge
 AuthInfo=socket={sock},cred_expire=5
 CredType=cred/munge
@@ -98,8 +102,13 @@ KillWait=5
 {nodes_cfg}
 PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
-        # Count-only GPUs: lets the real scripts' --gpus-per-node be honoured on a CPU machine.
-        (r / "gres.conf").write_text("AutoDetect=off\n" + "".join(f"NodeName={n} Name=gpu File=/dev/null\n" for n in self.nodes))
+        # Count-only GPUs: lets the real scripts' --gpus-per-node be honoured on a CPU machine. slurmd counts a GPU
+        # per device file (Count alone registers none), so each is an empty file of its own.
+        (r / "gpu").mkdir(exist_ok=True)
+        for i in range(self.gpus):
+            (r / "gpu" / f"gpu{i}").touch()
+        files = str(r / "gpu" / "gpu0") if self.gpus == 1 else f"{r / 'gpu' / 'gpu'}[0-{self.gpus - 1}]"
+        (r / "gres.conf").write_text("AutoDetect=off\n" + "".join(f"NodeName={n} Name=gpu File={files}\n" for n in self.nodes))
         self.procs.append(subprocess.Popen([self._sbin("slurmctld"), "-D", "-i", "-f", str(r / "slurm.conf")],
                                            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for n in self.nodes:
