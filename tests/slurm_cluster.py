@@ -8,6 +8,7 @@ installs them). Jobs are cancelled before the daemons stop (proctrack/linuxproc 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,10 +39,16 @@ def missing_requirements() -> str | None:
 
 
 class LocalSlurm:
-    def __init__(self, root: Path, nodes: int = 2, cpus: int = 1, gpus: int = 1):
+    def __init__(self, root: Path, nodes: int = 2, cpus: int = 1, gpus: int = 1, first_job_id: int | None = None):
         """``nodes`` slurmd on this host, each declaring ``cpus`` CPUs (more than the host has is allowed: slurmd
-        reports the configured count, ``SlurmdParameters=config_overrides``) and ``gpus`` count-only GPUs."""
+        reports the configured count, ``SlurmdParameters=config_overrides``) and ``gpus`` count-only GPUs.
+
+        Job ids start at ``first_job_id``, by default a random one below 12,000: slurm/launch.sh derives the
+        rendezvous port from the job id (20000 + id % 20000), and clusters that all numbered their jobs from 1
+        would give two test sessions on one machine the same port (EADDRINUSE at the rendezvous); below 12,000
+        the port also stays under Linux's ephemeral range (32768 and up), where the ranks' own connections are."""
         self.root = root
+        self.first_job_id = first_job_id or random.randint(1, 12000)
         self.nodes = [f"n{i + 1}" for i in range(nodes)]
         self.cpus = cpus
         self.gpus = gpus
@@ -52,6 +59,14 @@ class LocalSlurm:
         return shutil.which(name) or f"/usr/sbin/{name}"
 
     def start(self) -> "LocalSlurm":
+        try:
+            self._start()
+        except Exception:
+            self.stop()  # the daemons started so far would outlive the caller, which holds no cluster to stop
+            raise
+        return self
+
+    def _start(self) -> None:
         r = self.root
         for d in ("state", "spool", "log", "munge"):
             (r / d).mkdir(parents=True, exist_ok=True)
@@ -72,6 +87,7 @@ class LocalSlurm:
         (r / "slurm.conf").write_text(f"""ClusterName=convit-scale-test
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
+FirstJobId={self.first_job_id}
 SlurmUser=root
 SlurmdUser=root
 SlurmdParameters=config_overrides
@@ -116,7 +132,6 @@ PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE Sta
             self.procs.append(subprocess.Popen([self._sbin("slurmd"), "-D", "-N", n, "-f", str(r / "slurm.conf")],
                                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self._wait(self._nodes_idle, "nodes idle", timeout=60)
-        return self
 
     def _wait(self, cond, what: str, timeout: float = 30) -> None:
         t0 = time.time()
