@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PER_CLASS, VAL_PER_CLASS = 100, 20  # 1,000 train images: not a multiple of 32 ranks, so the epoch pads
+TRAIN_PER_CLASS, VAL_PER_CLASS = 50, 20  # 500 and 200 images: not multiples of 32 ranks, so the epochs pad
 POLL_S = 0.2
 
 
@@ -70,6 +70,7 @@ def prepare_data(root: Path) -> Path:
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
+    root = root / f"fashion_mnist_{TRAIN_PER_CLASS}_{VAL_PER_CLASS}"
     tree = build_tree(root / "tree", {"train": TRAIN_PER_CLASS, "val": VAL_PER_CLASS})
     out = root / "wds"
     if not (out / "manifest.json").is_file():
@@ -100,7 +101,8 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
 
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int) -> Path:
-    """The tiny recipe (tests/conftest.py's) at the job's world size: 2 images per rank, every step logged."""
+    """The tiny recipe (tests/conftest.py's) at the job's world size: 2 images per rank (8 steps an epoch at 32
+    ranks), every step logged, a checkpoint every epoch."""
     from tests.conftest import tiny_recipe
 
     recipe = tiny_recipe(path, "wds", data, out, data={"global_batch_size": 2 * world},
@@ -130,6 +132,7 @@ class Watch:
                                                "rank_rss_mb_max": 0.0, "machine_used_mb_max": 0.0})
     cpu_s: dict = field(default_factory=dict)  # pid -> CPU seconds (user + system) when last seen
     load_max: float = 0.0  # the machine's 1-minute load average, highest seen
+    startup_cpu_s: float | None = None  # the ranks' CPU time from their start to the first logged step
     state: dict = field(default_factory=dict)
     _last: dict = field(default_factory=lambda: {"file": None, "slurm": 0.0, "procs": 0.0})
 
@@ -146,6 +149,10 @@ class Watch:
                         continue  # a line being written
                     self.lines.add(line)
                     self.records.append((now, rec))
+                    if rec.get("kind") == "train" and "first_step" not in self.events:
+                        self.events["first_step"] = now
+                        self._sample_ranks()  # the ranks' CPU time up to here: their start-up
+                        self.startup_cpu_s = sum(self.cpu_s.values())
         if now - self._last["slurm"] >= 1.0:
             self._last["slurm"] = now
             self.state = self.slurm.job(self.job)
@@ -351,8 +358,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.rehearsal", description=__doc__.split("\n\n")[0])
     p.add_argument("--script", default="slurm/convit_b_plus.sh", help="the Slurm script whose job shape runs")
     p.add_argument("--out", default="runs/rehearsal", help="data, both jobs' run folders and logs, rehearsal.json")
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps of each job")
-    p.add_argument("--signal-at", type=int, default=10, help="send the pre-timeout signal once this step is logged")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps of each job")
+    p.add_argument("--signal-at", type=int, default=5, help="send the pre-timeout signal once this step is logged")
     p.add_argument("--launcher", default="srun", help="LAUNCHER of launch.sh: srun or torchrun")
     p.add_argument("overrides", nargs="*", help="parallel.KEY=VALUE: another layout than the recipe's")
     return p
@@ -399,7 +406,8 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
               "launcher": args.launcher, "parallel": parallel, "steps": args.steps, "signal": shape.signal,
               "goodput": fig, "checks": checks(shape, parallel, a, b, stop, args.steps, fig["steps_lost"]),
               "memory_mb": {k: round(max(a.mem[k], b.mem[k])) for k in a.mem},
-              "ranks_cpu_s": {"interrupted": round(sum(a.cpu_s.values())), "uninterrupted": round(sum(b.cpu_s.values()))},
+              "ranks_cpu_s": {"interrupted": round(sum(a.cpu_s.values())), "uninterrupted": round(sum(b.cpu_s.values())),
+                              "start_to_first_step": round(b.startup_cpu_s or 0)},
               "timeline_s": {f"{job} {k}": round(t - t0, 1) for job, w in (("interrupted", a), ("uninterrupted", b))
                              for k, t in sorted(w.events.items(), key=lambda kv: kv[1])},
               "wall_s": round(time.time() - t0, 1),
@@ -426,8 +434,8 @@ def report(result: dict) -> None:
           f"not shared), largest rank {m['rank_rss_mb_max']} MB; machine in use at most {m['machine_used_mb_max']} MB")
     c, mach = result["ranks_cpu_s"], result["machine"]
     print(f"  CPU: the ranks used {c['interrupted']} s (interrupted job, 2 starts) and {c['uninterrupted']} s "
-          f"(uninterrupted); {mach['cpus']} CPUs, load average {mach['load_avg_1min_before']} before, "
-          f"{mach['load_avg_1min_max']} at most")
+          f"(uninterrupted, {c['start_to_first_step']} s of it before the first step); {mach['cpus']} CPUs, load "
+          f"average {mach['load_avg_1min_before']} before, {mach['load_avg_1min_max']} at most")
     print(f"  written to {result['out']}/rehearsal.json")
 
 

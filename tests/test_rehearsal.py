@@ -26,7 +26,7 @@ def test_the_job_shape_is_the_scripts_own(script, nodes):
     (["--script", "slurm/launch.sh"], f"error: --script {REPO}/slurm/launch.sh: no nodes, ntasks-per-node, signal, "
                                       f"RECIPE in it; allowed: a slurm/*.sh wrapper of launch.sh with #SBATCH --nodes, "
                                       f"--ntasks-per-node and --signal"),
-    (["--signal-at", "30"], "error: --signal-at 30: allowed: 1 <= --signal-at < --steps (24)"),
+    (["--signal-at", "12"], "error: --signal-at 12: allowed: 1 <= --signal-at < --steps (12)"),
     (["data.num_workers=2"], "error: override 'data.num_workers=2': allowed: parallel.KEY=VALUE (the layout; the rest "
                              "is the rehearsal's)"),
 ])
