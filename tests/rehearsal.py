@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PER_CLASS, VAL_PER_CLASS = 50, 20  # 500 and 200 images: not multiples of 32 ranks, so the epochs pad
+TRAIN_PER_CLASS, VAL_PER_CLASS = 25, 20  # 250 and 200 images: not multiples of 32 ranks, so the epochs pad
 POLL_S = 0.2
 
 
@@ -101,7 +101,7 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
 
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int) -> Path:
-    """The tiny recipe (tests/conftest.py's) at the job's world size: 2 images per rank (8 steps an epoch at 32
+    """The tiny recipe (tests/conftest.py's) at the job's world size: 2 images per rank (4 steps an epoch at 32
     ranks), every step logged, a checkpoint every epoch."""
     from tests.conftest import tiny_recipe
 
@@ -169,6 +169,7 @@ class Watch:
         """The ranks' node mapping (their environment, as srun or torchrun set it) and memory (RSS; anonymous
         memory, which the ranks do not share: the shared libraries' pages count once in the machine's use)."""
         rss = anon = 0.0
+        alive = 0
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -185,6 +186,7 @@ class Watch:
                 self.cpu_s[pid] = sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")
             except (OSError, ValueError, TypeError):
                 continue  # gone, or not started far enough
+            alive += 1
             kb = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon")}
             rss, anon = rss + kb["VmRSS"] / 1024, anon + kb["RssAnon"] / 1024
             self.mem["rank_rss_mb_max"] = max(self.mem["rank_rss_mb_max"], kb["VmRSS"] / 1024)
@@ -193,6 +195,8 @@ class Watch:
         for key, value in (("ranks_rss_mb_max", rss), ("ranks_anon_mb_max", anon), ("machine_used_mb_max", used)):
             self.mem[key] = max(self.mem[key], value)
         self.load_max = max(self.load_max, os.getloadavg()[0])
+        if alive == 0 and "published" in self.events:
+            self.events.setdefault("ranks_exited", time.time())
 
     def train(self) -> list[tuple[float, dict]]:
         return [(t, r) for t, r in self.records if r.get("kind") == "train"]
@@ -232,8 +236,10 @@ def run_interrupted(slurm, shape: JobShape, recipe: Path, data: Path, out: Path,
     watch = Watch(slurm, submit(slurm, shape, recipe, data, out, log, launcher), out, recipe)
     watch.events["submitted"] = time.time()
     watch.wait(lambda: any(r["step"] >= signal_at for _, r in watch.train()), f"step {signal_at}", 900)
-    sig = shape.signal.split("@")[0].removeprefix("B:")
-    slurm.run("scancel", f"--signal={sig}", str(watch.job))  # what --signal=USR1@T sends: every task of the step
+    # What --signal=USR1@T sends: to every task of the job's steps; --signal=B:USR1@T: to the batch shell only.
+    sig = shape.signal.split("@")[0]
+    to_batch = ["--batch"] if sig.startswith("B:") else []
+    slurm.run("scancel", *to_batch, f"--signal={sig.removeprefix('B:')}", str(watch.job))
     watch.events["signal"] = time.time()
     ckpt = {}
 
@@ -284,16 +290,18 @@ def steps_and_losses(watch: Watch) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_records(watch.out, "train")}
 
 
-def figures(a: Watch, stop: dict) -> dict:
-    """Goodput of the interrupted job, from the times the watch saw things happen (to within POLL_S)."""
+def figures(a: Watch, b: Watch, stop: dict) -> dict:
+    """Goodput of the interrupted job ``a``, from the times the watch saw things happen (to within POLL_S); the
+    step time is the uninterrupted job's (``b``) median."""
     ev, step = a.events, stop["meta"]["step"]
     before = [r["step"] for t, r in a.train() if t < ev["restarted"]]
-    ticks = [t for t, r in a.train() if t < ev["signal"]]
-    step_s = statistics.median(b - x for x, b in zip(ticks, ticks[1:])) if len(ticks) > 2 else None
+    ticks = [t for t, _ in b.train()]
+    step_s = statistics.median(y - x for x, y in zip(ticks, ticks[1:])) if len(ticks) > 2 else None
     down = ev["first_new_step"] - ev["signal"]
     return {
         "signal_to_checkpoint_published_s": round(ev["published"] - ev["signal"], 1),
         "checkpoint_to_requeue_s": round(ev["requeued"] - ev["published"], 1),
+        "checkpoint_to_ranks_exited_s": round(ev["ranks_exited"] - ev["published"], 1) if "ranks_exited" in ev else None,
         "requeue_to_restart_s": round(ev["restarted"] - ev["requeued"], 1),
         "restart_to_first_new_step_s": round(ev["first_new_step"] - ev["restarted"], 1),
         "requeue_to_first_new_step_s": round(ev["first_new_step"] - ev["requeued"], 1),
@@ -358,8 +366,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.rehearsal", description=__doc__.split("\n\n")[0])
     p.add_argument("--script", default="slurm/convit_b_plus.sh", help="the Slurm script whose job shape runs")
     p.add_argument("--out", default="runs/rehearsal", help="data, both jobs' run folders and logs, rehearsal.json")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps of each job")
-    p.add_argument("--signal-at", type=int, default=5, help="send the pre-timeout signal once this step is logged")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps of each job")
+    p.add_argument("--signal-at", type=int, default=2, help="send the pre-timeout signal once this step is logged")
     p.add_argument("--launcher", default="srun", help="LAUNCHER of launch.sh: srun or torchrun")
     p.add_argument("overrides", nargs="*", help="parallel.KEY=VALUE: another layout than the recipe's")
     return p
@@ -400,7 +408,7 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
             raise JobFailed(f"{e}\n{logs[-1].read_text()[-4000:] if logs else 'no job log'}") from e
         finally:
             slurm.stop()
-    fig = figures(a, stop)
+    fig = figures(a, b, stop)
     result = {"script": str(shape.script.relative_to(REPO)), "recipe_of_script": shape.recipe,
               "nodes": shape.nodes, "tasks_per_node": shape.tasks_per_node, "ranks": shape.world,
               "launcher": args.launcher, "parallel": parallel, "steps": args.steps, "signal": shape.signal,
@@ -413,7 +421,9 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
               "wall_s": round(time.time() - t0, 1),
               "machine": {"cpus": os.cpu_count(), "load_avg_1min_before": load_before,
                           "load_avg_1min_max": round(max(a.load_max, b.load_max), 1)},
-              "checkpoint": str(stop["path"]), "out": str(out)}
+              "checkpoint": str(stop["path"]), "out": str(out),
+              "ranks_seen": [dict(zip(("rank", "local_rank", "node_id", "node"), r))
+                             for r in sorted(set(a.ranks.values()) | set(b.ranks.values()))]}
     (out / "rehearsal.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 

@@ -26,7 +26,7 @@ def test_the_job_shape_is_the_scripts_own(script, nodes):
     (["--script", "slurm/launch.sh"], f"error: --script {REPO}/slurm/launch.sh: no nodes, ntasks-per-node, signal, "
                                       f"RECIPE in it; allowed: a slurm/*.sh wrapper of launch.sh with #SBATCH --nodes, "
                                       f"--ntasks-per-node and --signal"),
-    (["--signal-at", "12"], "error: --signal-at 12: allowed: 1 <= --signal-at < --steps (12)"),
+    (["--signal-at", "8"], "error: --signal-at 8: allowed: 1 <= --signal-at < --steps (8)"),
     (["data.num_workers=2"], "error: override 'data.num_workers=2': allowed: parallel.KEY=VALUE (the layout; the rest "
                              "is the rehearsal's)"),
 ])
@@ -105,7 +105,7 @@ def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
         n = next(runs)
         a = _job(tmp_path / f"a{n}", a_losses, 1, a_ranks, stop_at=3, lost=lost)
         b = _job(tmp_path / f"b{n}", losses, 0, blocks)
-        fig = figures(a, stop)
+        fig = figures(a, b, stop)
         found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1}, a, b, stop, len(losses), fig["steps_lost"])
         return [k for k, v in found.items() if v is not None], fig
 
