@@ -169,7 +169,6 @@ class Watch:
         """The ranks' node mapping (their environment, as srun or torchrun set it) and memory (RSS; anonymous
         memory, which the ranks do not share: the shared libraries' pages count once in the machine's use)."""
         rss = anon = 0.0
-        alive = 0
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -186,7 +185,6 @@ class Watch:
                 self.cpu_s[pid] = sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")
             except (OSError, ValueError, TypeError):
                 continue  # gone, or not started far enough
-            alive += 1
             kb = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon")}
             rss, anon = rss + kb["VmRSS"] / 1024, anon + kb["RssAnon"] / 1024
             self.mem["rank_rss_mb_max"] = max(self.mem["rank_rss_mb_max"], kb["VmRSS"] / 1024)
@@ -195,8 +193,6 @@ class Watch:
         for key, value in (("ranks_rss_mb_max", rss), ("ranks_anon_mb_max", anon), ("machine_used_mb_max", used)):
             self.mem[key] = max(self.mem[key], value)
         self.load_max = max(self.load_max, os.getloadavg()[0])
-        if alive == 0 and "published" in self.events:
-            self.events.setdefault("ranks_exited", time.time())
 
     def train(self) -> list[tuple[float, dict]]:
         return [(t, r) for t, r in self.records if r.get("kind") == "train"]
@@ -301,7 +297,6 @@ def figures(a: Watch, b: Watch, stop: dict) -> dict:
     return {
         "signal_to_checkpoint_published_s": round(ev["published"] - ev["signal"], 1),
         "checkpoint_to_requeue_s": round(ev["requeued"] - ev["published"], 1),
-        "checkpoint_to_ranks_exited_s": round(ev["ranks_exited"] - ev["published"], 1) if "ranks_exited" in ev else None,
         "requeue_to_restart_s": round(ev["restarted"] - ev["requeued"], 1),
         "restart_to_first_new_step_s": round(ev["first_new_step"] - ev["restarted"], 1),
         "requeue_to_first_new_step_s": round(ev["first_new_step"] - ev["requeued"], 1),
