@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test`. Each installs only what is missing, then runs.
+# Two commands: `make demo` and `make test` (and `make rehearsal`). Each installs only what is missing, then runs.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2
 DEMO_ARGS ?=
 
-.PHONY: setup apt-deps cpu-adam test demo gpu-test clean
+.PHONY: setup apt-deps cpu-adam test rehearsal demo gpu-test clean
 
 setup: apt-deps $(STAMP)
 
@@ -48,6 +48,15 @@ cpu-adam: setup
 test: setup cpu-adam
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
+# The 4 x 8 rehearsal (tests/rehearsal.py): slurm/convit_b_plus.sh's job shape, 32 ranks on a local Slurm cluster of 4
+# nodes of 8 CPUs on this machine, interrupted by the pre-timeout signal, requeued and compared with an uninterrupted
+# run; goodput figures printed and written to runs/rehearsal/rehearsal.json. About 10-11 minutes on 2 idle cores (three
+# starts of 32 interpreters) and 14 GB of memory: not part of `make test`.
+# REHEARSAL_ARGS: e.g. "--script slurm/deit_b_plus.sh" or "parallel.hsdp_replicas=1".
+REHEARSAL_ARGS ?=
+rehearsal: setup
+	$(PY) -m tests.rehearsal $(REHEARSAL_ARGS)
+
 # GPU acceptance: the first thing to run on a GPU machine (tests/test_gpu.py, about 8 minutes on one H200). It uses
 # the Python that already has the CUDA build of torch (GPU_PYTHON) and the checkout itself (PYTHONPATH), installs
 # only the packages that are missing, from the wheels in WHEELS when given (a box without network), and skips the
@@ -71,4 +80,4 @@ demo: setup
 	$(VENV)/bin/convit-scale demo $(DEMO_ARGS)
 
 clean:
-	rm -rf runs/demo .pytest_cache
+	rm -rf runs/demo runs/rehearsal .pytest_cache

@@ -1,4 +1,4 @@
-"""A real local Slurm cluster for the tests: munged, slurmctld and two slurmd ("n1", "n2") on loopback.
+"""A real local Slurm cluster for the tests: munged, slurmctld and N slurmd ("n1", "n2", ...) on loopback.
 
 Everything (config, keys, state, logs, sockets) lives in one private directory; daemons listen on
 127.0.0.1 only. Needs root and Debian's slurmctld, slurmd, slurm-client and munge (``make test``
@@ -8,6 +8,7 @@ installs them). Jobs are cancelled before the daemons stop (proctrack/linuxproc 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,10 +39,19 @@ def missing_requirements() -> str | None:
 
 
 class LocalSlurm:
-    def __init__(self, root: Path, nodes: int = 2, cpus: int = 1):
+    def __init__(self, root: Path, nodes: int = 2, cpus: int = 1, gpus: int = 1, first_job_id: int | None = None):
+        """``nodes`` slurmd on this host, each declaring ``cpus`` CPUs (more than the host has is allowed: slurmd
+        reports the configured count, ``SlurmdParameters=config_overrides``) and ``gpus`` count-only GPUs.
+
+        Job ids start at ``first_job_id``, by default a random one below 12,000: slurm/launch.sh derives the
+        rendezvous port from the job id (20000 + id % 20000), and clusters that all numbered their jobs from 1
+        would give two test sessions on one machine the same port (EADDRINUSE at the rendezvous); below 12,000
+        the port also stays under Linux's ephemeral range (32768 and up), where the ranks' own connections are."""
         self.root = root
+        self.first_job_id = first_job_id or random.randint(1, 12000)
         self.nodes = [f"n{i + 1}" for i in range(nodes)]
         self.cpus = cpus
+        self.gpus = gpus
         self.procs: list[subprocess.Popen] = []
         self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
 
@@ -49,6 +59,14 @@ class LocalSlurm:
         return shutil.which(name) or f"/usr/sbin/{name}"
 
     def start(self) -> "LocalSlurm":
+        try:
+            self._start()
+        except Exception:
+            self.stop()  # the daemons started so far would outlive the caller, which holds no cluster to stop
+            raise
+        return self
+
+    def _start(self) -> None:
         r = self.root
         for d in ("state", "spool", "log", "munge"):
             (r / d).mkdir(parents=True, exist_ok=True)
@@ -64,13 +82,15 @@ class LocalSlurm:
         self._wait(lambda: sock.exists(), "munged socket")
         ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
         nodes_cfg = "\n".join(
-            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} Gres=gpu:1 State=UNKNOWN"
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} Gres=gpu:{self.gpus} State=UNKNOWN"
             for n, p in zip(self.nodes, node_ports))
         (r / "slurm.conf").write_text(f"""ClusterName=convit-scale-test
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
+FirstJobId={self.first_job_id}
 SlurmUser=root
 SlurmdUser=root
+SlurmdParameters=config_overrides
 AuthType=auth/munge
 AuthInfo=socket={sock},cred_expire=5
 CredType=cred/munge
@@ -98,8 +118,13 @@ KillWait=5
 {nodes_cfg}
 PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
-        # Count-only GPUs: lets the real scripts' --gpus-per-node be honoured on a CPU machine.
-        (r / "gres.conf").write_text("AutoDetect=off\n" + "".join(f"NodeName={n} Name=gpu File=/dev/null\n" for n in self.nodes))
+        # Count-only GPUs: lets the real scripts' --gpus-per-node be honoured on a CPU machine. slurmd counts a GPU
+        # per device file (Count alone registers none), so each is an empty file of its own.
+        (r / "gpu").mkdir(exist_ok=True)
+        for i in range(self.gpus):
+            (r / "gpu" / f"gpu{i}").touch()
+        files = str(r / "gpu" / "gpu0") if self.gpus == 1 else f"{r / 'gpu' / 'gpu'}[0-{self.gpus - 1}]"
+        (r / "gres.conf").write_text("AutoDetect=off\n" + "".join(f"NodeName={n} Name=gpu File={files}\n" for n in self.nodes))
         self.procs.append(subprocess.Popen([self._sbin("slurmctld"), "-D", "-i", "-f", str(r / "slurm.conf")],
                                            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for n in self.nodes:
@@ -107,7 +132,6 @@ PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE Sta
             self.procs.append(subprocess.Popen([self._sbin("slurmd"), "-D", "-N", n, "-f", str(r / "slurm.conf")],
                                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self._wait(self._nodes_idle, "nodes idle", timeout=60)
-        return self
 
     def _wait(self, cond, what: str, timeout: float = 30) -> None:
         t0 = time.time()

@@ -1,0 +1,128 @@
+"""The rehearsal's parts that run in seconds: the job shapes it reads from the Slurm scripts, its refusals, the
+4 x 8 local cluster it starts (tasks placed as srun places them on a real one), and its checks on two jobs' records.
+The rehearsal itself (32 ranks, about 8 minutes) is `make rehearsal`, not part of the suite."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from tests.rehearsal import JobShape, Watch, checks, figures, main, read_script
+from tests.slurm_cluster import LocalSlurm, missing_requirements
+
+
+@pytest.mark.parametrize("script, nodes", [("convit_b_plus.sh", 4), ("deit_b_plus.sh", 4), ("convit_b.sh", 2)])
+def test_the_job_shape_is_the_scripts_own(script, nodes):
+    shape = read_script(REPO / "slurm" / script)
+    assert (shape.nodes, shape.tasks_per_node, shape.world) == (nodes, 8, nodes * 8)
+    assert shape.signal.startswith("USR1@") and shape.recipe.startswith("recipes/table1/")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--script", "slurm/none.sh"], f"error: --script {REPO}/slurm/none.sh: no such file; allowed: one of slurm/*.sh"),
+    (["--script", "slurm/launch.sh"], f"error: --script {REPO}/slurm/launch.sh: no nodes, ntasks-per-node, signal, "
+                                      f"RECIPE in it; allowed: a slurm/*.sh wrapper of launch.sh with #SBATCH --nodes, "
+                                      f"--ntasks-per-node and --signal"),
+    (["--signal-at", "8"], "error: --signal-at 8: allowed: 1 <= --signal-at < --steps (8)"),
+    (["data.num_workers=2"], "error: override 'data.num_workers=2': allowed: parallel.KEY=VALUE (the layout; the rest "
+                             "is the rehearsal's)"),
+])
+def test_bad_input_is_one_line_before_any_work(argv, error, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == error + "\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slurm
+def test_four_nodes_of_eight_run_the_scripts_32_tasks_in_node_blocks(tmp_path):
+    """slurmd accepts 8 configured CPUs and 8 count-only GPUs on a 2-core machine, and srun places the script's 32
+    tasks as on a real cluster: node k holds ranks 8k..8k+7 with local ids 0-7, so HSDP's shard groups of 8
+    consecutive ranks are nodes."""
+    why = missing_requirements()
+    if why:
+        pytest.fail(f"cannot start the local Slurm cluster: {why}")
+    slurm = LocalSlurm(tmp_path / "slurm", nodes=4, cpus=8, gpus=8).start()
+    try:
+        sbatch = "".join(line + "\n" for line in (REPO / "slurm" / "convit_b_plus.sh").read_text().splitlines()
+                         if line.startswith("#SBATCH") and "--output" not in line)
+        job_file = tmp_path / "job.sh"
+        job_file.write_text("#!/bin/bash\n" + sbatch + "srun --cpus-per-task=1 bash -c 'echo $SLURM_PROCID "
+                            "$SLURM_NODEID $SLURM_LOCALID $SLURMD_NODENAME $SLURM_GPUS_ON_NODE'\n")
+        job = slurm.sbatch("--cpus-per-task=1", f"--output={tmp_path / 'job.out'}", str(job_file))
+        info = slurm.wait_job(job, timeout=120)
+    finally:
+        slurm.stop()
+    assert info["JobState"] == "COMPLETED", (tmp_path / "job.out").read_text()
+    rows = sorted(tuple(int(x) if x.isdigit() else x for x in line.split())
+                  for line in (tmp_path / "job.out").read_text().splitlines())
+    assert rows == [(8 * n + l, n, l, f"n{n + 1}", 8) for n in range(4) for l in range(8)]
+
+
+def _job(out, losses, restarts, ranks, stop_at=None, lost=0, world=4):
+    """A job as the rehearsal's watch sees it: the records with the times they appeared, the job's state and its
+    ranks' (rank, local rank, node id, node name); metrics.jsonl as the engine leaves it. Stopped after step
+    ``stop_at``, having trained ``lost`` steps past its checkpoint, which the resumed run trains again."""
+    from convit_scale.metrics import MetricsWriter
+
+    w = Watch(slurm=None, job=1, out=out, recipe=out / "r.yaml")
+    w.state = {"JobState": "COMPLETED", "Restarts": str(restarts)}
+    w.ranks = {str(100 + i): r for i, r in enumerate(ranks)}
+    w.events = {"submitted": 0.0, "running": 1.0}
+    train = lambda t, step: (t, {"kind": "train", "step": step, "loss": losses[step - 1],  # noqa: E731
+                                 "peak_mem_mb": [1.0] * world})
+    t = 10.0
+    for step in range(1, len(losses) + 1):
+        if step == (stop_at or 0) + 1:  # the signal, the checkpoint, the requeue, the restart
+            w.records += [train(t + 0.1 * k, step + k) for k in range(lost)]
+            w.records.append((t, {"kind": "stopped", "step": stop_at}))
+            w.events.update(signal=t - 0.5, published=t + 1, requeued=t + 3, restarted=t + 10, first_new_step=t + 20)
+            t += 20
+        w.records.append(train(t, step))
+        t += 1
+    w.records.append((t, {"kind": "eval", "step": len(losses), "samples": 200}))
+    out.mkdir(parents=True)
+    writer = MetricsWriter(out, True, False)
+    for t, rec in w.records:  # the resumed run's truncation dropped the steps trained past the checkpoint
+        if not (rec["kind"] == "train" and stop_at is not None and rec["step"] > stop_at and t < w.events["restarted"]):
+            writer.write(rec)
+    writer.close()
+    return w
+
+
+def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
+    """2 nodes x 2 ranks, DDP, 8 steps, stopped after step 3: every check holds, and each fault fails its check."""
+    shape = JobShape(REPO / "slurm" / "convit_b_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
+    blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
+    losses = [2.3 - 0.01 * i for i in range(8)]
+    files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
+    stop = {"path": tmp_path, "meta": {"step": 3, "world_size": 4, "reason": "signal"}, "files": files}
+    runs = iter(range(100))
+
+    def failing(a_losses=losses, a_ranks=blocks, stop=stop, lost=0):
+        n = next(runs)
+        a = _job(tmp_path / f"a{n}", a_losses, 1, a_ranks, stop_at=3, lost=lost)
+        b = _job(tmp_path / f"b{n}", losses, 0, blocks)
+        fig = figures(a, b, stop)
+        found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1}, a, b, stop, len(losses), fig["steps_lost"])
+        return [k for k, v in found.items() if v is not None], fig
+
+    found, fig = failing()
+    assert found == []
+    assert (fig["signal_to_checkpoint_published_s"], fig["requeue_to_first_new_step_s"], fig["step_s"],
+            fig["steps_lost"]) == (1.5, 17.0, 1.0, 0)
+    assert failing(a_losses=losses[:5] + [losses[5] + 1e-7] + losses[6:])[0] == [
+        "per-step losses equal the uninterrupted job's"]
+    assert failing(stop={**stop, "files": files[1:]})[0] == ["every rank saved step 3 (its own files from ranks 0-3)"]
+    cyclic = [(r, r // 2, r % 2, f"n{r % 2 + 1}") for r in range(4)]  # srun --distribution=cyclic
+    assert failing(a_ranks=cyclic)[0] == ["rank = node x 2 + local rank on every node (srun block layout)"]
+    found, fig = failing(lost=1)  # a rank trained step 4 after the checkpoint of step 3
+    assert fig["steps_lost"] == 1 and found == ["resumed at the next step, nothing lost or repeated"]
+
+
+def test_the_command_runs_from_the_checkout():
+    """`make rehearsal` runs `python -m tests.rehearsal` in the checkout (tests/ is not a package)."""
+    res = subprocess.run([sys.executable, "-m", "tests.rehearsal", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0 and "--signal-at" in res.stdout, res.stderr
