@@ -60,7 +60,8 @@ NODES=${SLURM_JOB_NUM_NODES:-1}
 GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}  # ranks per node
 [ "$GPUS" -ge 1 ] 2>/dev/null || GPUS=1
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" | head -n 1)}
-export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}  # several jobs may share a node
+# by job id: jobs sharing a node differ; below Linux's ephemeral ports (32768+), which a node's connections may hold
+export MASTER_PORT=${MASTER_PORT:-$((10000 + ${SLURM_JOB_ID:-0} % 20000))}
 
 # CPUs. Since Slurm 22.05 srun does not inherit the job's --cpus-per-task: without an explicit one every
 # task gets a single CPU, and torchrun's ranks with all their loader workers would share it.

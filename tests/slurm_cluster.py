@@ -44,7 +44,7 @@ class LocalSlurm:
         reports the configured count, ``SlurmdParameters=config_overrides``) and ``gpus`` count-only GPUs.
 
         Job ids start at ``first_job_id``, by default a random one below 12,000: slurm/launch.sh derives the
-        rendezvous port from the job id (20000 + id % 20000), and clusters that all numbered their jobs from 1
+        rendezvous port from the job id (10000 + id % 20000), and clusters that all numbered their jobs from 1
         would give two test sessions on one machine the same port (EADDRINUSE at the rendezvous); below 12,000
         the port also stays under Linux's ephemeral range (32768 and up), where the ranks' own connections are."""
         self.root = root

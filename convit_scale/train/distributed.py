@@ -42,9 +42,8 @@ def free_port() -> int:
 
 
 def slurm_master_addr() -> str:
+    """The job's first node (``scontrol show hostnames``): where rank 0 runs under srun."""
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-    if os.environ.get("SLURM_MASTER_ADDR"):  # set by slurm/launch.sh when hosts share one address
-        return os.environ["SLURM_MASTER_ADDR"]
     try:
         hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                                check=True).stdout.split()
@@ -62,9 +61,16 @@ def _env_from_slurm() -> str:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("MASTER_ADDR", slurm_master_addr())
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+    if "MASTER_ADDR" not in os.environ:  # slurm/launch.sh exports it: no scontrol call per rank then
+        os.environ["MASTER_ADDR"] = slurm_master_addr()
+    os.environ.setdefault("MASTER_PORT", str(job_port(os.environ.get("SLURM_JOB_ID", "0"))))
     return "srun"
+
+
+def job_port(job_id: str | int) -> int:
+    """The rendezvous port of a Slurm job: 10000-29999 by job id, so that jobs sharing a node differ, and below
+    Linux's ephemeral range (from 32768), where any outgoing connection of the node could already hold it."""
+    return 10000 + int(job_id) % 20000
 
 
 def check_launcher_env(strategy: str, precision: str) -> None:
