@@ -96,5 +96,8 @@ def destroy() -> None:
     deepspeed_comm = sys.modules.get("deepspeed.comm")
     if deepspeed_comm is not None and deepspeed_comm.is_initialized():
         deepspeed_comm.destroy_process_group()
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if getattr(groups, "_WORLD_GROUP", None) is not None:  # releases before 0.19 keep their copy of the world
+            groups._WORLD_GROUP = None
     else:
         dist.destroy_process_group()
