@@ -37,11 +37,13 @@ with importing_ffcv():
     from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
     from ffcv.traversal_order.base import TraversalOrder
 
+from timm.data import create_transform
+
 from ..config import DataConfig
+from ..jpeg import decode_rgb
 from .batch import Batch
 from .faults import DataError, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec
-from ..jpeg import decode_rgb
 from .order import view_seeds
 from .private_aug import PrivateAugment
 from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
@@ -477,7 +479,6 @@ class FfcvLoader:
         if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
             return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation), ToTensor(),
                     ToTorchImage()]
-        from timm.data import create_transform
 
         _, secondary, final = create_transform(
             input_size=size, is_training=True, hflip=0.0, color_jitter=d.color_jitter,

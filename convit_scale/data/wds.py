@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.gopen import gopen
 
 from ..config import DataConfig
 from .batch import Batch
@@ -34,7 +35,6 @@ from .workers import iterate, loader_options
 def _open(location: str, name: str):
     """Open a file next to ``location``: a local folder, or a URL template with ``{name}``
     (``pipe:aws s3 cp s3://bucket/imagenet/{name} -``, ``https://host/shards/{name}``)."""
-    from webdataset.gopen import gopen
 
     if "{name}" in location:
         return gopen(location.format(name=name), "rb")
@@ -100,8 +100,6 @@ def _open_stream(url: str):
     if url.startswith(("http://", "https://")):
         return _CommandStream(f"curl -fsS -L --connect-timeout 30 {shlex.quote(url)}")
     if "://" in url:
-        from webdataset.gopen import gopen
-
         return gopen(url, "rb")
     return open(url, "rb")
 
