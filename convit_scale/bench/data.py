@@ -198,7 +198,7 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
 def _loader_rates(spec: dict) -> dict:
     """Images/s of one rank's train loader for both recipes at each worker count, and CPU ms per image (this
     process and its workers, whole epochs). The loaders take turns, one epoch at a time, until each has run
-    ``seconds``: a machine whose speed drifts (a shared VM) moves all of them alike, so their ratios hold.
+    ``seconds``: a machine whose speed drifts (a shared machine) moves all of them alike, so their ratios hold.
 
     The rate is the steady state. Worker k makes batches k, k + N, ...: they come in waves of N made side by side.
     The rate counts whole waves after the first, from the arrival of batch N - 1 to that of the last batch of the
@@ -208,8 +208,9 @@ def _loader_rates(spec: dict) -> dict:
     ``bench_data`` sizes the epochs to at least 2N batches.
 
     FFCV in device mode also runs its ceiling (``ffcv_free_threads``) an epoch at a time in turn with the loaders:
-    "free_threads", images/s per worker count. This VM's 2 cores give threads that share nothing anything from
-    1.4x to 1.9x depending on the moment, so the loader's scaling is only meaningful next to it."""
+    "free_threads", images/s per worker count. On a shared machine even threads that share nothing scale by a factor
+    that changes from moment to moment (BENCHMARKS.md, "Data loading"), so the loader's scaling is only meaningful
+    next to it."""
     keys = [(t, w) for t in RECIPES for w in spec["workers"]]
     fmt = LOADER_FORMAT.get(spec["loader"], spec["loader"])
     loaders = {k: _build_loader(fmt, spec["path"], k[0], spec["mode"], k[1]) for k in keys}
