@@ -5,9 +5,10 @@ import hashlib
 import pytest
 import torch
 
-from conftest import losses, records, run_cli, run_ranks, tiny_recipe
+from conftest import losses, records, run_cli, run_many, tiny_recipe
 
 TEACHER = "regnety_002"  # the RegNetY family of the paper's RegNetY-16GF, CPU-sized
+_TEACHER_SHA: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def teacher_file(fm_tree, tmp_path_factory):
             opt.step()
     path = tmp_path_factory.mktemp("teacher") / "teacher.safetensors"
     save_file({k: v.contiguous() for k, v in teacher.state_dict().items()}, str(path))
+    _TEACHER_SHA[path] = hashlib.sha256(path.read_bytes()).hexdigest()
     return path
 
 
@@ -55,38 +57,57 @@ def _predictions(model, batches):
         return torch.cat([model(x).argmax(1) for x, _ in batches])
 
 
+SOFT = ["distill.type=soft", "distill.tau=1.0", "distill.alpha=1.0", "schedule.epochs=4"]
+"""DeiT's soft term averages over classes too (a tenth of a cross-entropy here): the teacher alone."""
+
+
+@pytest.fixture(scope="module")
+def distill_runs(fm_wds, teacher_file, tmp_path_factory):
+    """Every distillation run of this file in one launch of 2 ranks (``conftest.run_many``), by (strategy, name).
+
+    What depends on the strategy (the teacher outside the sharded model and its optimizer, the resumed state) is
+    checked under FSDP2 and ZeRO-3; the loss's effect and the token variant, which do not, under FSDP2 only; under
+    ZeRO-3 a shorter run: its checks need a teacher at work and a resume, not a trained student. "resumed" is the
+    distilled run stopped part-way (``max_steps``) and resumed to its end in the same folder."""
+    tmp = tmp_path_factory.mktemp("distill")
+    plan, folders = [], {}
+
+    def add(strategy, name, overrides=(), **kw):
+        r = _recipe(tmp, f"{strategy}_{name}", fm_wds, teacher_file, strategy, **kw)
+        plan.append({"recipe": r, "overrides": list(overrides)})
+        folders[strategy, name] = tmp / f"{strategy}_{name}"
+
+    for name, kw in (("plain", {"distill": False}), ("distilled", {}), ("token", {"token": True})):
+        add("fsdp2", name, **kw)
+    add("fsdp2", "resumed", max_steps=20)
+    add("fsdp2", "resumed", ["schedule.max_steps=null"], max_steps=20)
+    add("zero3", "distilled", max_steps=30)
+    add("zero3", "resumed", max_steps=15)
+    add("zero3", "resumed", ["schedule.max_steps=30"], max_steps=15)
+    add("ddp", "plain", SOFT, distill=False)
+    add("ddp", "soft", SOFT)
+    assert run_many(plan, tmp / "plan") == [0] * len(plan)
+    return folders
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
-def test_distillation_end_to_end(strategy, fm_wds, teacher_file, tmp_path):
+def test_distillation_end_to_end(strategy, teacher_file, fm_wds, distill_runs):
     from convit_scale.trained import load_trained_model
 
-    sha = hashlib.sha256(teacher_file.read_bytes()).hexdigest()
-    runs = {}
-    # what depends on the strategy (the teacher outside the sharded model and its optimizer, the resumed state) is
-    # checked under both; the loss's effect and the token variant, which do not, under FSDP2 only
-    cases = (("plain", {"distill": False}), ("distilled", {}), ("token", {"token": True}))
-    # under ZeRO-3 a shorter run: its checks need a teacher at work and a resume, not a trained student
-    total, stop = (None, 20) if strategy == "fsdp2" else (30, 15)
-    for name, kw in cases if strategy == "fsdp2" else ((cases[1][0], {"max_steps": total}),):
-        r = _recipe(tmp_path, name, fm_wds, teacher_file, strategy, **kw)
-        res = run_ranks(r)
-        assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = tmp_path / name
+    runs = {name: folder for (s, name), folder in distill_runs.items() if s == strategy}
     # the teacher never changed: not in memory, not on disk, never in the optimizer or the checkpoint
     for name in runs.keys() - {"plain"}:
-        (rec,) = records(runs[name], "distill")
-        assert rec["teacher_checksum_start"] == rec["teacher_checksum_end"] and not rec["teacher_in_optimizer"]
-    assert hashlib.sha256(teacher_file.read_bytes()).hexdigest() == sha
+        for rec in records(runs[name], "distill"):
+            assert rec["teacher_checksum_start"] == rec["teacher_checksum_end"] and not rec["teacher_in_optimizer"]
+    assert hashlib.sha256(teacher_file.read_bytes()).hexdigest() == _TEACHER_SHA[teacher_file]
     end = records(runs["distilled"], "end")[0]
     student = load_trained_model(end["checkpoint"])  # loads strictly: no teacher keys in the checkpoint
     if strategy == "fsdp2":
         _distilled_agrees_with_the_teacher_and_the_token_variant_trains(fm_wds, teacher_file, runs, student)
-    # resume restores the distillation state: stopped part-way and resumed, the same losses
-    r = _recipe(tmp_path, "resumed", fm_wds, teacher_file, strategy, max_steps=stop)
-    assert run_ranks(r).returncode == 0
-    res = run_ranks(r, f"schedule.max_steps={'null' if total is None else total}")
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
-    assert losses(tmp_path / "resumed") == losses(runs["distilled"])
+    # resume restores the distillation state: stopped part-way and resumed, the same losses, each step once
+    assert len(records(runs["resumed"], "end")) == 2
+    assert losses(runs["resumed"]) == losses(runs["distilled"])
 
 
 def _distilled_agrees_with_the_teacher_and_the_token_variant_trains(fm_wds, teacher_file, runs, student):
@@ -166,21 +187,15 @@ def test_soft_distillation_is_deits_formula(teacher_file):
 
 
 @pytest.mark.slow
-def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, tmp_path):
+def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, distill_runs):
     from safetensors.torch import load_file
 
     import timm
     from convit_scale.analysis.report import eval_batches
     from convit_scale.trained import load_trained_model
 
-    students = {}
-    for name, kw in (("plain", {"distill": False}), ("soft", {})):
-        r = _recipe(tmp_path, name, fm_wds, teacher_file, "ddp", **kw)
-        # DeiT's soft term averages over classes too (a tenth of a cross-entropy here): the teacher alone
-        res = run_ranks(r, "distill.type=soft", "distill.tau=1.0",
-                      "distill.alpha=1.0", "schedule.epochs=4")
-        assert res.returncode == 0, res.stderr[-3000:]
-        students[name] = load_trained_model(records(tmp_path / name, "end")[0]["checkpoint"])
+    students = {name: load_trained_model(records(distill_runs["ddp", name], "end")[0]["checkpoint"])
+                for name in ("plain", "soft")}
     batches = eval_batches(str(fm_wds), "wds", 16, 200)
     teacher = timm.create_model(TEACHER, num_classes=10)
     teacher.load_state_dict(load_file(str(teacher_file)))
