@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import records, run_cli, run_ranks, tiny_recipe
+from conftest import REPO, records, run_ranks, tiny_recipe
 from convit_scale.bench.worker import RSS_ENV
 from convit_scale.config import ConfigError, load_config
 from convit_scale.planner import model_facts, plan
@@ -152,11 +152,16 @@ def test_loader_check_names_the_slower_side():
     assert cpu["augment_on"] == "cpu" and cpu["cpu_ms_per_image"] > few["cpu_ms_per_image"]
 
 
-def test_plan_command_warns_when_the_loader_is_slower():
-    res = run_cli("plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--cpus-per-gpu", "1")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "warning: the loader is slower than the GPUs" in res.stdout
-    res = run_cli("plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
-                  "1", env={"SLURM_CPUS_PER_TASK": "100000"})
-    assert res.returncode == 0 and "100000 CPU cores per GPU" in res.stdout
-    assert "the GPUs are slower than the loader" in res.stdout and "warning" not in res.stdout
+def test_plan_command_warns_when_the_loader_is_slower(capsys, monkeypatch):
+    from convit_scale.cli import main
+
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--cpus-per-gpu",
+                 "1"]) == 0
+    assert "warning: the loader is slower than the GPUs" in capsys.readouterr().out
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "100000")
+    assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
+                 "1"]) == 0
+    out = capsys.readouterr().out
+    assert "100000 CPU cores per GPU" in out
+    assert "the GPUs are slower than the loader" in out and "warning" not in out

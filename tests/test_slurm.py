@@ -72,7 +72,8 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     """srun: the signal reaches every rank (each is a task). torchrun: it reaches torchrun, one task per
     node, which forwards it to its ranks."""
     out = tmp_path / "run"
-    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 300},
+    # 60 steps: the stop comes a few steps after the third (a step is ~0.1 s, the signal's way well under 1 s)
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 60},
                          checkpoint={"keep_last": 2})
     log = tmp_path / "job.out"
     script = REPO / "slurm" / "convit_b_plus.sh"
@@ -100,10 +101,10 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
         assert "death signal, shutting down workers" in text and "closing signal SIGUSR1" in text
     assert f"resumed from {out}/checkpoints/step_{stopped_at:09d} at step {stopped_at}" in text
     end = records(out, "end")
-    assert len(end) == 1 and end[0]["step"] == 300
+    assert len(end) == 1 and end[0]["step"] == 60
     steps = [r["step"] for r in records(out)]
-    assert steps == list(range(1, 301))  # no step lost or repeated across the requeue
-    meta = json.loads((out / "checkpoints" / "step_000000300" / "meta.json").read_text())
+    assert steps == list(range(1, 61))  # no step lost or repeated across the requeue
+    meta = json.loads((out / "checkpoints" / "step_000000060" / "meta.json").read_text())
     assert meta["reason"] == "end"
 
 
