@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +98,11 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
     return model
 
 
+@functools.lru_cache(maxsize=None)
 def forward_flops(name: str, **options) -> int:
     """FLOPs (two per multiply-add) of one image's forward pass, counted by torch's FlopCounterMode on
-    the meta device (no memory, no time). A training step costs three times this (MFU's convention)."""
+    the meta device (no memory; about a second of CPU for a base model, so counted once per process).
+    A training step costs three times this (MFU's convention)."""
 
     model = create_model(name, device="meta", **options).eval()
     size = options.get("img_size") or MODELS[name].img_size
