@@ -111,7 +111,8 @@ def train_here(recipe: Path, *overrides: str, env: dict | None = None) -> int:
 
 def run_many(runs: list[dict], folder: Path, nproc: int = 2, timeout: int = 1200) -> list[int]:
     """Several runs ({"recipe", "overrides", "env"}) one after another in one launch of ``nproc`` ranks
-    (tests/rank_runs.py): the ranks start once for all of them. Returns each run's exit status."""
+    (tests/rank_runs.py): the ranks start once for all of them. Returns each run's exit status; their log lines are
+    in ``folder/output.txt``."""
     import json
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -120,6 +121,7 @@ def run_many(runs: list[dict], folder: Path, nproc: int = 2, timeout: int = 1200
     res = subprocess.run(torchrun_cmd(nproc, str(REPO / "tests" / "rank_runs.py"), str(plan)), capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    (folder / "output.txt").write_text(res.stdout)  # the runs' log lines, one after another
     return json.loads((folder / "statuses_rank0.json").read_text())
 
 

@@ -236,34 +236,43 @@ def test_sharded_epoch_analysis_on_two_ranks_equals_one_rank(shared, fm_tree, tm
 
 
 # -- resume across processes: what a requeue does ---------------------------------------------------------------
-def _assert_resume_is_bit_identical(tmp_path, fmt, data_dir, stop, total, **kw):
-    """An uninterrupted run of `total` steps against one stopped at `stop` (its checkpoint) and resumed in new
-    processes: the same per-step losses, bit for bit (fp32 on CPU)."""
-    kw["checkpoint"] = {"every_steps": stop}
-    full = tiny_recipe(tmp_path / "a.yaml", fmt, data_dir, tmp_path / "a", schedule={"max_steps": total}, **kw)
-    part = tiny_recipe(tmp_path / "b.yaml", fmt, data_dir, tmp_path / "b", schedule={"max_steps": stop}, **kw)
-    assert run_many([{"recipe": full}, {"recipe": part}], tmp_path / "launch") == [0, 0]
-    res = run_ranks(part, f"schedule.max_steps={total}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout and f"step_{stop:09d}" in res.stdout
-    assert f"resumed step {stop} from 2 rank(s) on 2" in res.stdout
-    assert losses(tmp_path / "b") == losses(tmp_path / "a")
-    assert len(losses(tmp_path / "a")) == total
+RESUMES = {  # name: (format, stop, total, recipe sections)
+    # WebDataset with workers and RandAugment, stopped at step 3
+    "fsdp2-wds": ("wds", 3, 6, {"data": {"num_workers": 2, "rand_augment": "rand-m9-mstd0.5-inc1"}}),
+    # DeepSpeed's own checkpoint, several optimizer sub-groups per rank, partitions shared with the master weights
+    "zero3": ("imagefolder", 2, 4, {"parallel": {"strategy": "zero3", "zero_bucket_elements": 8000}}),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(fm_tree, fm_wds, tmp_path_factory):
+    """For each of RESUMES: an uninterrupted run of `total` steps ("a") and one stopped at `stop` (its checkpoint,
+    "b") in one launch, then every "b" resumed in new processes (a second launch)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    first, second = [], []
+    for name, (fmt, stop, total, kw) in RESUMES.items():
+        data = {"wds": fm_wds, "imagefolder": fm_tree}[fmt]
+        kw = {**kw, "checkpoint": {"every_steps": stop}}
+        full = tiny_recipe(tmp / f"{name}-a.yaml", fmt, data, tmp / name / "a", schedule={"max_steps": total}, **kw)
+        part = tiny_recipe(tmp / f"{name}-b.yaml", fmt, data, tmp / name / "b", schedule={"max_steps": stop}, **kw)
+        first += [{"recipe": full}, {"recipe": part}]
+        second.append({"recipe": part, "overrides": [f"schedule.max_steps={total}"]})
+    assert run_many(first, tmp / "first") == [0] * len(first)
+    assert run_many(second, tmp / "second") == [0] * len(second)
+    return tmp, (tmp / "second" / "output.txt").read_text()
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical_fsdp2_wds(fm_wds, tmp_path):
-    """Stopped at step 3 and resumed: the same per-step losses as an uninterrupted run (workers 2)."""
-    _assert_resume_is_bit_identical(tmp_path, "wds", fm_wds, 3, 6,
-                                    data={"num_workers": 2, "rand_augment": "rand-m9-mstd0.5-inc1"})
-
-
-@pytest.mark.slow
-def test_resume_is_bit_identical_zero3(fm_tree, tmp_path):
-    """DeepSpeed's own checkpoint, several optimizer sub-groups per rank, partitions shared with the
-    master weights: stopped at step 2 and resumed gives the losses of an uninterrupted run."""
-    _assert_resume_is_bit_identical(tmp_path, "imagefolder", fm_tree, 2, 4,
-                                    parallel={"strategy": "zero3", "zero_bucket_elements": 8000})
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_is_bit_identical(resumed, name):
+    """Stopped and resumed in new processes: the same per-step losses as an uninterrupted run, bit for bit (fp32
+    on CPU)."""
+    tmp, output = resumed
+    _, stop, total, _ = RESUMES[name]
+    assert f"resumed from {tmp / name / 'b' / 'checkpoints' / f'step_{stop:09d}'} at step {stop}" in output
+    assert f"resumed step {stop} from 2 rank(s) on 2" in output
+    assert losses(tmp / name / "b") == losses(tmp / name / "a")
+    assert len(losses(tmp / name / "a")) == total
 
 
 # -- signals and a killed rank ------------------------------------------------------------------------------------
