@@ -3,7 +3,7 @@ collective in the communication module, short functions.
 
 The layers, from the ground up (a module imports modules of lower layers and of its own unit only):
 
-1. leaves that import nothing of the package: comm, hardware, console, metrics, augment_policy, imagetree,
+1. leaves that import nothing of the package: comm, hardware, console, metrics, augment_policy, imagetree, splitmix,
    ffcv_threads, jpeg (shared by the loaders and data_prep/), and the models;
 2. config (the recipe);
 3. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
@@ -28,7 +28,7 @@ ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 LAYERS = [
     ["convit_scale.comm", "convit_scale.hardware", "convit_scale.console", "convit_scale.metrics",
      "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads", "convit_scale.jpeg",
-     "convit_scale.models"],
+     "convit_scale.splitmix", "convit_scale.models"],
     ["convit_scale.config"],
     ["convit_scale.data", "convit_scale.parallel", "data_prep", "convit_scale.trained"],
     ["convit_scale.evaluation", "convit_scale.planner"],

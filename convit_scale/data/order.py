@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from .splitmix import keys_of, mix64, srl
+from ..splitmix import keys_of, mix64, srl
 
 
 def views_per_rank(num_samples: int, world_size: int) -> int:
