@@ -140,9 +140,15 @@ def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> 
     return micro_batch, per_rank // micro_batch
 
 
+def allowed_world_sizes(groups: int) -> list[int]:
+    """The world sizes that can run a recipe of ``groups`` canonical groups: its divisors (each rank whole groups)."""
+    return [w for w in range(1, groups + 1) if groups % w == 0]
+
+
 def check_world(cfg, world_size: int) -> tuple[int, int]:
     """The checks that need the world size, run by the launching process before any rank starts and again by
-    every rank at set-up: the strategy, the global batch split, an even micro-batch for Mixup/CutMix.
+    every rank at set-up: the strategy, the canonical groups (each rank takes whole groups: the run, and every
+    checkpoint of it, are then the same at any allowed world size), the global batch split into whole groups.
     Returns (micro_batch, grad_accumulation)."""
     if cfg.parallel.strategy == "none" and world_size > 1:
         raise ValueError(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
@@ -151,8 +157,14 @@ def check_world(cfg, world_size: int) -> tuple[int, int]:
             and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
         raise ValueError("parallel.precision = 'fp16' with DeepSpeed needs a GPU or a CPU with fp16 support "
                          "(AVX512-FP16/AMX), which this one lacks: use bf16 or fp32 here")
-    micro, accum = solve_batch(cfg.data.global_batch_size, world_size, cfg.data.micro_batch_size)
-    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
-        raise ValueError(f"Mixup/CutMix need an even micro-batch; {micro} per rank here (data.micro_batch_size, "
-                         f"global batch {cfg.data.global_batch_size} over {world_size} ranks)")
+    batch, groups = cfg.data.global_batch_size, cfg.data.groups
+    if groups % world_size:
+        raise ValueError(f"{world_size} ranks cannot share the {groups} canonical groups of data.global_batch_size = "
+                         f"{batch} (data.canonical_groups = {groups}; each rank takes whole groups); allowed world "
+                         f"sizes: {', '.join(map(str, allowed_world_sizes(groups)))}")
+    micro, accum = solve_batch(batch, world_size, cfg.data.micro_batch_size)
+    if micro % (batch // groups):
+        raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of "
+                         f"{batch // groups} images (global batch {batch} in data.canonical_groups = {groups}): "
+                         f"choose a multiple of {batch // groups} that divides {batch // world_size}")
     return micro, accum
