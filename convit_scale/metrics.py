@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 FILENAME = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
@@ -84,7 +87,6 @@ class WandbOptions:
     config: dict
     """The resolved recipe: the W&B run's config."""
 
-
 def wandb_options(log, output_dir: str, config: dict) -> WandbOptions | None:
     """From the recipe's ``log`` section (LogConfig), its ``run.output_dir`` and the resolved recipe as a dict;
     None when ``log.wandb`` is off."""
@@ -119,9 +121,6 @@ def wandb_mode(requested: str) -> tuple[str, str]:
     """(online | offline | what WANDB_MODE says, why) for ``log.wandb_mode``. auto: the environment's WANDB_MODE
     when set; else offline without an API key or when W&B's server does not answer within 5 s (a cluster's
     compute nodes often have no route out), else online."""
-    import netrc
-    import socket
-    from urllib.parse import urlparse
 
     if requested != "auto":
         return requested, f"log.wandb_mode = {requested}"

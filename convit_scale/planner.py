@@ -57,9 +57,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from .config import ParallelConfig
+from .config import ParallelConfig, model_options
+from .data.device_augment import augment_on_device
 from .hardware import GPUS, LINK_EFFICIENCY
+from .models import create_model
 from .parallel.zero import deepspeed_config, zero_sizes
 
 IMAGENET_TRAIN = 1_281_167
@@ -114,7 +117,6 @@ _FACTS: dict[str, ModelFacts] = {}
 def model_facts(cfg, compute_bytes: int = 2) -> ModelFacts:
     """Parameters, FLOPs and saved-activation bytes per image, all from a meta-device forward (a few seconds of
     CPU: kept per model, its options and the compute dtype)."""
-    from .config import model_options
 
     options = model_options(cfg.model)
     key = repr((cfg.model.name, sorted(options.items()), compute_bytes))
@@ -124,10 +126,6 @@ def model_facts(cfg, compute_bytes: int = 2) -> ModelFacts:
 
 
 def _measure_model(name: str, options: dict, compute_bytes: int) -> ModelFacts:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from .models import create_model
-
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
     model = create_model(name, device="meta", **options).to(dtype)
     size = model.patch_embed.img_size[0]
@@ -416,7 +414,6 @@ def communication(collectives: list[Collective], links: Links, compute_s: float,
 # -- the plan -------------------------------------------------------------------------------------------------------
 def loader_ms_per_image(cfg) -> tuple[float, str]:
     """CPU ms per image of the recipe's loader, and where its augmentation runs on a CUDA run."""
-    from .data.device_augment import augment_on_device
 
     where = "device" if augment_on_device(cfg.data, torch.device("cuda")) else "cpu"
     return LOADER_CPU_MS_PER_IMAGE[(cfg.data.format, where)], where

@@ -9,6 +9,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .config import ModelConfig, model_options
 from .models import create_model, load_pretrained, read_state_dict
@@ -20,14 +23,11 @@ def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     if not (checkpoint_dir / "meta.json").is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
     if (checkpoint_dir / "dcp").is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "full.pt"
             dcp_to_torch_save(str(checkpoint_dir / "dcp"), str(out))
             state = torch.load(out, map_location="cpu", weights_only=False)["model"]
     elif (checkpoint_dir / "model.safetensors").is_file():  # a run's best/ (the weights alone, consolidated)
-        from safetensors.torch import load_file
 
         state = load_file(str(checkpoint_dir / "model.safetensors"))
     elif (checkpoint_dir / "zero").is_dir():
@@ -44,7 +44,6 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
 
     Refused before any work: another suffix (``eval`` reads a file by its suffix) or an existing folder. On
     failure nothing is left behind: no temporary file, no folder this call created."""
-    from safetensors.torch import save_file
 
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if not (checkpoint_dir / "meta.json").is_file():
@@ -83,8 +82,6 @@ def _model_section(path: Path) -> dict | None:
                                     f"allowed: {CHECKPOINTS}")
         return json.loads((path / "meta.json").read_text())["config"]["model"]
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}

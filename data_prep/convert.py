@@ -23,7 +23,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from convit_scale.ffcv_threads import importing_ffcv
 from convit_scale.imagetree import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
+from convit_scale.jpeg import decode_rgb_array
 
 MANIFEST = "manifest.json"
 
@@ -88,10 +94,6 @@ def _check_one_ffcv(sample: tuple[str, int, int | None]) -> tuple[str, int, str 
     """``write_mode: keep``: read the image as timm's loaders do (PIL, then RGB) and decide how to store it: KEPT when
     it is a JPEG the FFCV loader's decoder turns into exactly those pixels, RESIZED when its longer side is above
     ``max_resolution``, RAW otherwise (CMYK, PNG named .JPEG, a JPEG turbojpeg refuses or warns about)."""
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    from convit_scale.jpeg import decode_rgb_array
 
     path, label, max_resolution = sample
     data = Path(path).read_bytes()
@@ -111,8 +113,6 @@ def _check_one_ffcv(sample: tuple[str, int, int | None]) -> tuple[str, int, str 
 
 
 def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[rate]:>8} img/s"), TimeRemainingColumn(), transient=False)
 
@@ -228,8 +228,6 @@ class _RGBDataset:
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        from PIL import Image
-
         data, reason, _ = load_rgb_jpeg(self.samples[i].path)
         if data is None:
             raise PrepError(f"{self.samples[i].path}: {reason} (the file changed during conversion)")
@@ -246,9 +244,6 @@ class _KeptDataset:
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        import numpy as np
-        from PIL import Image
-
         path, label = self.samples[i].path, self.samples[i].label
         data = Path(path).read_bytes()
         how = self.storage[path]
@@ -261,7 +256,6 @@ class _KeptDataset:
             raise PrepError(f"{path}: undecodable: {type(e).__name__}: {e} (the file changed during conversion)") from e
         if how == RAW:
             return ("raw", *pixels.shape[:2], np.ascontiguousarray(pixels).reshape(-1)), label
-        from convit_scale.ffcv_threads import importing_ffcv
 
         with importing_ffcv():
             from ffcv.fields.rgb_image import encode_jpeg, resizer
@@ -272,7 +266,6 @@ class _KeptDataset:
 
 def _encode_prepared(destination, image, malloc) -> None:
     """The image field's ``encode`` for ``write_mode: keep``: the bytes ``_KeptDataset`` prepared, as they are."""
-    from convit_scale.ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         from ffcv.fields.rgb_image import IMAGE_MODES
@@ -288,7 +281,6 @@ def _image_field(opts: PrepOptions):
     """ffcv's RGBImageField; for ``keep``, one whose ``encode`` stores ``_KeptDataset``'s bytes. ffcv records a
     field's type by its exact class (``TYPE_ID_HANDLER``), so the field stays an RGBImageField, read back by any
     ffcv, and only this instance's encode is replaced (a module function: it reaches the writer's processes)."""
-    from convit_scale.ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         from ffcv.fields import RGBImageField
@@ -309,8 +301,6 @@ def beton_name(split: str, opts: PrepOptions) -> str:
 
 def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str,
                 storage: dict[str, str]) -> dict[str, dict]:
-    from convit_scale.ffcv_threads import importing_ffcv
-
     with importing_ffcv():
         from ffcv.fields import IntField
         from ffcv.writer import DatasetWriter
@@ -548,8 +538,6 @@ def _opt_path(value: str | None) -> Path | None:
 
 def _read_labels(path: Path, fmt: str) -> list[int]:
     if fmt == "ffcv":
-        from convit_scale.ffcv_threads import importing_ffcv
-
         with importing_ffcv():
             from ffcv.reader import Reader
 

@@ -2,7 +2,7 @@
 
 import argparse
 
-from convit_scale.bench import _precision, inference
+from convit_scale.bench import _resolve, inference
 
 
 def test_the_worker_times_forwards_without_gradients():
@@ -30,8 +30,14 @@ def test_inference_defaults_are_the_papers():
     """fp32 on any device unless asked (the paper's inference is fp32); the training benches keep bf16 on GPUs."""
     from convit_scale.cli import build_parser
 
+    def resolved(**kw):
+        args = argparse.Namespace(**kw)
+        _resolve(args)
+        return args.precision
+
     args = build_parser().parse_args(["bench", "inference", "--device", "cuda"])
-    assert _precision(args) == "fp32" and args.batch is None  # None: 128 in bench_inference's call
+    assert args.precision == "auto" and args.batch is None  # None: 128 in bench_inference's call
+    assert resolved(what="inference", precision="auto", device="cuda") == "fp32"
     assert args.sizes.split(",") == list(inference.SIZES)
-    assert _precision(argparse.Namespace(what="model", precision=None, device="cuda")) == "bf16"
-    assert _precision(argparse.Namespace(what="inference", precision="bf16", device="cuda")) == "bf16"
+    assert resolved(what="model", precision="auto", device="cuda") == "bf16"
+    assert resolved(what="inference", precision="bf16", device="cuda") == "bf16"

@@ -94,9 +94,10 @@ def test_resume_flag_is_the_checkpoint_resume_override(fm_tree, tmp_path):
     first = run_cli("train", "--recipe", str(r))
     assert first.returncode == 0, first.stderr[-3000:]
     step1 = tmp_path / "out" / "checkpoints" / "step_000000001"
-    # the flag wins over an override of the same key, and names a checkpoint that is not the newest
+    # the flag wins over an override of the same key, and names a checkpoint that is not the newest (of another
+    # run: a run's own folder only goes forward, tests/test_train_checkpoint.py)
     res = run_cli("train", "--recipe", str(r), "--resume", str(step1), "checkpoint.resume=none",
-                  "schedule.max_steps=3")
+                  "schedule.max_steps=3", f"run.output_dir={tmp_path / 'second'}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {step1} at step 1" in res.stdout
 

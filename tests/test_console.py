@@ -83,5 +83,5 @@ def test_plan_at_80_columns_shows_whole_strategy_names(capsys, monkeypatch):
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", "2",
                  "--gpu", "h200-141gb"]) == 0
     out = capsys.readouterr().out
-    _check_80_columns(out, ["ddp", "fsdp2", "zero1", "zero2", "zero3"], "strategy")
-    assert "total GiB/GPU" in out and "wall-clock (h)" in out
+    _check_80_columns(out, ["ddp", "fsdp2", "zero1", "zero2", "zero3"], "layout")
+    assert "Memory per GPU (GiB)" in out and "┃ total" in out and "wall-clock h" in out

@@ -198,6 +198,6 @@ def test_bench_ceiling_runs_the_loaders_own_pipeline(fm_ffcv, monkeypatch):
     def fails(*args):
         raise MemoryError("no room")
 
-    monkeypatch.setattr("convit_scale.data.ffcv.run_stages", fails)
+    monkeypatch.setattr("convit_scale.bench.data.run_stages", fails)
     with pytest.raises(RuntimeError, match="the FFCV ceiling's thread failed: MemoryError"):
         ffcv_free_threads(loader, 1, 2, {})

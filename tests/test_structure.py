@@ -3,16 +3,18 @@ collective in the communication module, short functions.
 
 The layers, from the ground up (a module imports modules of lower layers and of its own unit only):
 
-1. leaves that import nothing of the package: comm, hardware, console, metrics, augment_policy, imagetree, splitmix,
-   ffcv_threads, jpeg (shared by the loaders and data_prep/), and the models;
-2. config (the recipe);
-3. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
+1. leaves that import nothing of the package: comm, hardware, console, metrics, augment_policy, imagetree, splitmix
+   (the counter-based generator of the augmentation and of drop-path), ffcv_threads, jpeg (shared by the loaders and
+   data_prep/);
+2. the models (drop-path per sample draws from splitmix);
+3. config (the recipe);
+4. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
    run's model);
-4. evaluation and the planner, over data and strategies;
-5. analysis (which evaluates);
-6. train (which evaluates and analyses every epoch);
-7. bench and experiments (which train);
-8. cli, the command.
+5. evaluation and the planner, over data and strategies;
+6. analysis (which evaluates);
+7. train (which evaluates and analyses every epoch);
+8. bench and experiments (which train);
+9. cli, the command.
 A new module is placed in one of them here, or this test fails.
 """
 
@@ -28,7 +30,8 @@ ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 LAYERS = [
     ["convit_scale.comm", "convit_scale.hardware", "convit_scale.console", "convit_scale.metrics",
      "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads", "convit_scale.jpeg",
-     "convit_scale.splitmix", "convit_scale.models"],
+     "convit_scale.splitmix"],
+    ["convit_scale.models"],
     ["convit_scale.config"],
     ["convit_scale.data", "convit_scale.parallel", "data_prep", "convit_scale.trained"],
     ["convit_scale.evaluation", "convit_scale.planner"],
@@ -164,3 +167,59 @@ def test_no_function_is_longer_than_80_lines():
                 if n > 80:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, "functions over 80 lines:\n" + "\n".join(long)
+
+
+LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_scale/config.py", "convit_scale/cli/")
+"""What the command line imports before it knows the command (``--help`` answers without torch), and the recipe that
+the Slurm scripts read in the batch shell: these may import heavy modules inside functions."""
+LAZY = ("deepspeed", "ffcv", "numba", "cv2", "tensorboard", "torch.utils.tensorboard", "wandb", "sklearn", "matplotlib",
+        "torch._dynamo", "torch.distributed.fsdp")
+"""Libraries imported only where used, elsewhere: optional (ffcv, wandb, tensorboard, sklearn, matplotlib) or costly
+to import for every process of a run that does not use them (deepspeed, numba; what ``parallel.preload`` imports to
+measure the memory baseline after them)."""
+
+
+def _top_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module or "")
+    return out
+
+
+def test_imports_inside_functions_are_the_lazy_ones():
+    """An import inside a function hides an arrow from a reader: only the light modules (the command line) and the
+    optional or costly libraries (``LAZY``) are imported there, or a module of the package that imports one of them
+    at its top (dispatch to an optional format or strategy)."""
+    files = _files()
+    lazy_modules = {m for m, p in files.items() if any(_is_lazy(i) for i in _top_imports(p))}
+    hidden = []
+    for name, path in files.items():
+        rel = str(path.relative_to(REPO))
+        if any(rel == light or (light.endswith("/") and rel.startswith(light)) for light in LIGHT):
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                if isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                elif node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    mods = [".".join(base + ([node.module] if node.module else []))]
+                    mods = [f"{mods[0]}.{a.name}" if f"{mods[0]}.{a.name}" in files else mods[0] for a in node.names]
+                else:
+                    mods = [node.module or ""]
+                for m in mods:
+                    if not (_is_lazy(m) or m in lazy_modules):
+                        hidden.append(f"{rel}:{node.lineno} {fn.name}: {m}")
+    assert not hidden, "imports inside functions (move them to the top, or say why they are lazy):\n" + "\n".join(hidden)
+
+
+def _is_lazy(module: str) -> bool:
+    return any(module == lib or module.startswith(lib + ".") for lib in LAZY)

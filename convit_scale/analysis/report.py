@@ -12,12 +12,21 @@ import json
 from pathlib import Path
 
 import torch
+from timm.models import get_pretrained_cfg_value, is_model
 from torch import nn
 
+from ..config import DataConfig
+from ..data import LoaderSpec, build_loader
 from ..metrics import read_records
+from ..models import MODELS
 from ..models.convit import ConViT
+from ..models.weights import load_timm_model, read_state_dict
+from ..trained import load_trained_model
+from . import (
+    ANALYSIS_IMAGES,  # noqa: F401  (re-exported: the default number of images)
+    plots,
+)
 from .attention import attention_maps, gating, head_distances
-from . import ANALYSIS_IMAGES  # noqa: F401  (re-exported: the default number of images)
 from .cka import MinibatchCKA
 from .masking import masked, masking_table  # noqa: F401 - masked: imported from here by callers
 
@@ -26,8 +35,6 @@ def eval_loader(data: str, fmt: str, img_size: int, batch_size: int = 32, **view
     """The validation loader of the eval transform. ``view``: the run's ``eval_crop_ratio`` and ``interpolation``
     (``trained.eval_view``), so that the analysis sees the images as the run's evaluation did; DeiT's (0.875,
     bicubic) otherwise."""
-    from ..config import DataConfig
-    from ..data import LoaderSpec, build_loader
 
     d = DataConfig(format=fmt, train_path=data, val_path=data, num_workers=0, **view)
     return build_loader(d, LoaderSpec("val", img_size, batch_size))
@@ -118,13 +125,9 @@ def load_compare(path: str | Path, name: str | None = None) -> nn.Module:
     """The model ``--compare`` names: a ConViT/DeiT (a run checkpoint, an export, published weights; ``name`` one
     of ours), or a timm CNN of that ``name`` from a local weights file (its classes read from the file's
     classifier), e.g. ``resnet50``. Nothing is downloaded."""
-    from ..models import MODELS
-    from ..models.weights import load_timm_model, read_state_dict
-    from ..trained import load_trained_model
 
     if name is None or name in MODELS:
         return load_trained_model(path, name)
-    from timm.models import get_pretrained_cfg_value, is_model
 
     if not is_model(name):
         raise ValueError(f"--compare-model {name!r} is neither one of this project's models nor a timm model")
@@ -148,7 +151,6 @@ def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None,
     at a time), write the plots and ``analysis.json`` into ``out``; returns the numbers. The masking reads
     ``masking_data`` when given (``FirstImages`` of a loader: as many validation images as asked, streamed), with
     ``masking_specs`` (``masking.gpsa_layers``; default: the first GPSA layer, the last, the first half, all)."""
-    from . import plots
 
     out.mkdir(parents=True, exist_ok=True)
     model.eval()

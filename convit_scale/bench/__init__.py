@@ -14,10 +14,19 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+from .data import _sample_photographs, bench_data
+from .distill import bench_distill
+from .inference import bench_inference
+from .memory import bench_memory
+from .mfu import bench_mfu
+from .model import bench_model
+from .pixels import pixel_fidelity
+
 
 def _resolve(args) -> None:
     """``auto`` device and precision: the GPU in bf16 when there is one, else the CPU in fp32."""
-    import torch
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,41 +37,26 @@ def _resolve(args) -> None:
 def _run(args) -> dict:
     out, precision = Path(args.out), args.precision
     if args.what == "model":
-        from .model import bench_model
-
         return bench_model(args.batch or 8, args.steps, args.rounds, args.device, precision)
     if args.what == "inference":
-        from .inference import bench_inference
-
         return bench_inference(args.sizes.split(","), args.batch or 128, args.steps, args.warmup, args.rounds,
                                args.device, precision)
     if args.what == "pixels":
-        from .data import _sample_photographs
-        from .pixels import pixel_fidelity
-
         return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes)
     if args.what == "data":
-        from .data import bench_data
-
         return bench_data(out / "data_work", args.seconds, args.rounds, args.device)
     if args.what == "memory":
-        from .memory import bench_memory
-
         return bench_memory(out / "memory_work", args.model, args.img_size, [int(w) for w in args.worlds.split(",")],
                             args.strategies.split(","))
     if args.what == "mfu":
-        from .mfu import bench_mfu
-
         return bench_mfu(args.models.split(","), args.batch or 64, args.steps, args.warmup, args.device,
                          precision, args.peak_tflops, args.compile)
-    from .distill import bench_distill
 
     return bench_distill(args.batch or 4, args.steps, args.rounds, args.device)
 
 
 def run_bench(args) -> int:
     """`convit-scale bench WHAT`: run one benchmark, write OUT/bench_WHAT.json and print it."""
-    import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

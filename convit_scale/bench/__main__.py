@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import sys
 
+from . import data, distill, inference, mfu, model
+
 
 def main() -> None:
-    from . import data, distill, inference, mfu, model
-
     workers = {"model": model.worker, "data": data.worker, "distill": distill.worker, "train": mfu.worker,
                "inference": inference.worker}
     if len(sys.argv) != 3 or sys.argv[1] not in workers:

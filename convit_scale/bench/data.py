@@ -11,22 +11,32 @@ timed separately). In device mode the loader's work is the same for both recipes
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import math
 import resource
+import statistics
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
+from data_prep import PrepOptions, prepare
+
+from ..config import DataConfig
+from ..data import LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_batch
+from ..data.ffcv import _allocate, run_stages
+from ..ffcv_threads import importing_ffcv
 from ..hardware import usable_cpus
 from .worker import run_worker
 
 
 def make_photo_tree(out: Path, per_class: int = 160, classes: int = 4, seed: int = 0) -> Path:
     """ImageNet-like JPEGs (about 500x375, q90) cut from the two real photographs scikit-learn ships."""
-    import numpy as np
-    from PIL import Image
 
     photos = [Image.open(p).convert("RGB") for p in _sample_photographs()]  # 640x427 each
     rng = np.random.default_rng(seed)
@@ -48,7 +58,6 @@ def make_photo_tree(out: Path, per_class: int = 160, classes: int = 4, seed: int
 def _sample_photographs() -> list[Path]:
     """scikit-learn's two photographs (china.jpg, flower.jpg: ``load_sample_images``' images, in its order), read
     as files: importing sklearn.datasets would pull in SciPy, which the bench does not need."""
-    import importlib.util
 
     spec = importlib.util.find_spec("sklearn")
     photos = sorted(Path(spec.submodule_search_locations[0], "datasets", "images").glob("*.jpg")) if spec else []
@@ -59,9 +68,6 @@ def _sample_photographs() -> list[Path]:
 
 def _decode_rate(tree: str, seconds: float) -> float:
     """Images/s of PIL decoding the tree's training JPEGs from memory: the floor every loader pays."""
-    import io
-
-    from PIL import Image
 
     blobs = [f.read_bytes() for f in sorted(Path(tree, "train").rglob("*.JPEG"))]
     t0 = time.perf_counter()
@@ -76,7 +82,6 @@ def _decode_rate(tree: str, seconds: float) -> float:
 def _run_threads(run, workers: int, what: str) -> float:
     """Seconds for ``run(k)`` on threads k = 0 .. workers - 1, from the first start to the last join. A thread's
     failure is raised here, as "``what`` failed": a thread that died would otherwise pass for a slow one."""
-    import threading
 
     failed = []
 
@@ -103,9 +108,6 @@ def _thread_rates(tree: str, seconds: float, workers: list[int]) -> dict:
     the tree's training JPEGs (as the FFCV .beton keeps them), for as long as the others: the most this machine's
     cores give threads that never wait for each other, the ceiling of a loader's scaling. The thread counts take
     turns, a second at a time."""
-    import io
-
-    from PIL import Image
 
     blobs = [f.read_bytes() for f in sorted(Path(tree, "train").rglob("*.JPEG"))[:128]]
 
@@ -145,9 +147,6 @@ BATCH = 64
 
 
 def _build_loader(fmt: str, path: str, transform: str, mode: str, workers: int):
-    from ..config import DataConfig
-    from ..data import LoaderSpec, build_loader
-
     full = transform == "full"
     d = DataConfig(format=fmt, train_path=path, val_path=path, num_workers=workers,
                    repeated_aug=1, rand_augment="rand-m9-mstd0.5-inc1" if full else None,
@@ -177,7 +176,6 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
 
     Returns (images, seconds, {batch number: the pipeline's outputs}) for each thread's last batch (views of its
     buffers): the loader gives the same batches."""
-    from ..data.ffcv import _allocate, run_stages
 
     ffcv_loader = loader._ffcv_loader()
     order, size = loader.views(epoch), ffcv_loader.batch_size
@@ -200,7 +198,7 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
 def _loader_rates(spec: dict) -> dict:
     """Images/s of one rank's train loader for both recipes at each worker count, and CPU ms per image (this
     process and its workers, whole epochs). The loaders take turns, one epoch at a time, until each has run
-    ``seconds``: a machine whose speed drifts (a shared VM) moves all of them alike, so their ratios hold.
+    ``seconds``: a machine whose speed drifts (a shared machine) moves all of them alike, so their ratios hold.
 
     The rate is the steady state. Worker k makes batches k, k + N, ...: they come in waves of N made side by side.
     The rate counts whole waves after the first, from the arrival of batch N - 1 to that of the last batch of the
@@ -210,8 +208,9 @@ def _loader_rates(spec: dict) -> dict:
     ``bench_data`` sizes the epochs to at least 2N batches.
 
     FFCV in device mode also runs its ceiling (``ffcv_free_threads``) an epoch at a time in turn with the loaders:
-    "free_threads", images/s per worker count. This VM's 2 cores give threads that share nothing anything from
-    1.4x to 1.9x depending on the moment, so the loader's scaling is only meaningful next to it."""
+    "free_threads", images/s per worker count. On a shared machine even threads that share nothing scale by a factor
+    that changes from moment to moment (BENCHMARKS.md, "Data loading"), so the loader's scaling is only meaningful
+    next to it."""
     keys = [(t, w) for t in RECIPES for w in spec["workers"]]
     fmt = LOADER_FORMAT.get(spec["loader"], spec["loader"])
     loaders = {k: _build_loader(fmt, spec["path"], k[0], spec["mode"], k[1]) for k in keys}
@@ -286,7 +285,6 @@ def worker(spec: dict) -> dict:
 def _targets(ratios: dict, device_stage: dict, device: str) -> dict:
     """The issue's targets, on the device mode (the default when training on GPUs): each ratio is the median over
     rounds of the ratio within a round, whose loaders took turns."""
-    import statistics
 
     def median(v):
         return statistics.median(v) if v else None
@@ -311,7 +309,6 @@ def _targets(ratios: dict, device_stage: dict, device: str) -> dict:
 def _beton_sizes(folder: Path, manifest: dict) -> dict:
     """The training .beton's size on disk (whole ffcv pages) and the bytes of its images (the allocations: for a
     kept JPEG, the file itself), beside the source JPEGs'."""
-    from ..ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         from ffcv.reader import Reader
@@ -323,8 +320,6 @@ def _beton_sizes(folder: Path, manifest: dict) -> dict:
 
 
 def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> dict:
-    from data_prep import PrepOptions, prepare
-
     workers = sorted({1, 2, usable_cpus()})
     per_class = max(160, math.ceil(2 * workers[-1] * BATCH / 4))  # epochs of 2N batches at least
     tree = make_photo_tree(work / "tree", per_class=per_class)

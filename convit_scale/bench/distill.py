@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import timm
 import torch
 import torch.nn.functional as F
 
+from ..config import DistillConfig
+from ..models import MODELS, create_model
+from ..train.distill import DistillLoss
 from .worker import Workload, run_worker, timed_step
 
 STUDENT, TEACHER = "convit_small_plus", "regnety_160"  # Table 4: ConViT-S+ taught by RegNetY-16GF
@@ -12,11 +16,6 @@ STUDENT, TEACHER = "convit_small_plus", "regnety_160"  # Table 4: ConViT-S+ taug
 
 def build(spec: dict, device: torch.device) -> Workload:
     """The student; with a teacher (a timm model), the training loop's own ``DistillLoss`` (hard, alpha 0.5)."""
-    import timm
-
-    from ..config import DistillConfig
-    from ..models import create_model
-    from ..train.distill import DistillLoss
 
     student = create_model(spec["student"], drop_path_rate=0.0).to(device).train()
     if not spec["teacher"]:
@@ -32,7 +31,6 @@ def worker(spec: dict) -> dict:
 def bench_distill(batch: int, steps: int, rounds: int, device: str, student: str = STUDENT,
                   teacher: str = TEACHER) -> dict:
     """Student step images/s with and without the teacher's forward (no grad), same inputs, fp32."""
-    from ..models import MODELS
 
     best: dict[str, float] = {}
     for _ in range(rounds):

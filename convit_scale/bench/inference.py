@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models import MODELS, create_model
 from .worker import run_worker, timed
 
 PAPER_IMAGES_PER_S = {  # Table 1: (DeiT, ConViT) images/s, Quadro GP100, batch 128, fp32 inference
@@ -21,7 +22,6 @@ SIZES = tuple(PAPER_IMAGES_PER_S)
 
 def worker(spec: dict) -> dict:
     """Images/s of ``spec["steps"]`` forwards of a batch (no gradients, eval mode) after ``spec["warmup"]``."""
-    from ..models import MODELS, create_model
 
     device = torch.device(spec["device"])
     torch.manual_seed(0)

@@ -5,17 +5,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..config import load_config, recipe_path
-from ..metrics import read_records
-from .worker import RSS_ENV
+from data_prep.fashion_mnist import build_tree
 
+from ..config import ParallelConfig, load_config, recipe_path
+from ..metrics import read_records
+from ..models import create_model
+from ..parallel.zero import zero_sizes
+from ..train.launch import run_recipe
+from .worker import RSS_ENV
 
 
 def zero_overrides(strategy: str, params: int) -> list[str]:
     """The ZeRO sizes this benchmark measures, stated explicitly: the CPU ones (buffers of a tenth of the
     model, no overlap, every parameter sharded), whatever the defaults of the machine become."""
-    from ..config import ParallelConfig
-    from ..parallel.zero import zero_sizes
 
     if not strategy.startswith("zero"):
         return []
@@ -32,7 +34,6 @@ def zero_overrides(strategy: str, params: int) -> list[str]:
 
 def _measure(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int) -> dict:
     """One strategy on ``world`` processes: two training steps, memory from the run's metrics."""
-    from ..train.launch import run_recipe
 
     overrides = [f"model.name={model}", f"model.img_size={img_size}", "model.num_classes=10",
                  "data.format=imagefolder", f"data.train_path={tree}", "data.val_path=",
@@ -60,9 +61,6 @@ def bench_memory(work: Path, model: str, img_size: int, worlds: list[int], strat
     """Per strategy and world size, per rank: the model state (memory of live tensors after backward, once
     the optimizer moments exist), the peak RSS during a few real training steps and the peak of set-up,
     both above the process baseline before the model exists."""
-    from data_prep.fashion_mnist import build_tree
-
-    from ..models import create_model
 
     tree = build_tree(work / "tree", {"train": 20, "val": 4})
     params = sum(p.numel() for p in create_model(model, device="meta").parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..hardware import peak_tflops_of
+from ..models import MODELS, create_model, forward_flops
 from .worker import Workload, run_worker, timed_step
 
 
@@ -17,7 +18,6 @@ def device_peak_tflops(device: str) -> float | None:
 
 def build(spec: dict, device: torch.device) -> Workload:
     """A real training step of one model: forward, backward, AdamW step, zero_grad (blocks compiled if asked)."""
-    from ..models import create_model
 
     model = create_model(spec["model"], drop_path_rate=0.0).to(device).train()
     if spec.get("compile"):
@@ -34,7 +34,6 @@ def bench_mfu(models: list[str], batch: int, steps: int, warmup: int, device: st
               peak_tflops: float | None, compile_blocks: bool = False) -> dict:
     """Training throughput and model FLOPs utilisation: 3 x forward FLOPs per image (counted, not
     estimated) x images/s, over the device's dense peak."""
-    from ..models import MODELS, forward_flops
 
     peak = peak_tflops or device_peak_tflops(device)
     rows = {}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import timm
 import torch
 
+from ..models import create_model
 from .worker import Workload, run_worker, timed_step
 
 CANDIDATES = {  # key: (model, GPSA implementation); "timm:" models are timm's own
@@ -17,9 +19,6 @@ CANDIDATES = {  # key: (model, GPSA implementation); "timm:" models are timm's o
 
 def build(spec: dict, device: torch.device) -> Workload:
     """One candidate, forward + backward, gradients kept allocated (no optimizer)."""
-    import timm
-
-    from ..models import create_model
 
     name, impl = spec["model"]
     if name.startswith("timm:"):

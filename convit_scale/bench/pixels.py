@@ -22,6 +22,14 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torchvision.transforms.functional as F
+from PIL import Image
+from timm.data import create_transform
+from torchvision.transforms import InterpolationMode
+
+from ..data.resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
+from ..ffcv_threads import importing_ffcv
+from ..jpeg import decode_rgb
 
 SIZE = 224
 
@@ -58,8 +66,6 @@ class _FfcvOwn:
     """ffcv's own decode (fast IDCT) and INTER_AREA resize, and its earlier prep (384 side, q90 re-encode)."""
 
     def __init__(self):
-        from ..ffcv_threads import importing_ffcv
-
         with importing_ffcv():
             from ffcv.fields.rgb_image import encode_jpeg, get_center_crop, resizer
             from ffcv.libffcv import imdecode, resize_crop
@@ -86,9 +92,6 @@ class _FfcvOwn:
 
 
 def _ours(data: bytes, h: int, w: int):
-    from ..jpeg import decode_rgb
-    from ..data.resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
-
     src = np.empty(h * w * 3, np.uint8)
     if decode_rgb(np.frombuffer(data, np.uint8), src, h, w) != 0:
         raise ValueError("turbojpeg refused the photograph")
@@ -106,10 +109,6 @@ def _ours(data: bytes, h: int, w: int):
 
 def pixel_fidelity(photos: list[Path], boxes: int = 200, seed: int = 0, crop_ratio: float = 0.875) -> dict:
     """The comparison of the module docstring over ``boxes`` crop boxes per photograph and its eval view."""
-    import torchvision.transforms.functional as F
-    from PIL import Image
-    from timm.data import create_transform
-    from torchvision.transforms import InterpolationMode
 
     rng, own = np.random.default_rng(seed), _FfcvOwn()
     timm_eval = create_transform(SIZE, is_training=False, interpolation="bicubic", crop_pct=crop_ratio,

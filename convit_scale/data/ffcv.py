@@ -37,11 +37,13 @@ with importing_ffcv():
     from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
     from ffcv.traversal_order.base import TraversalOrder
 
+from timm.data import create_transform
+
 from ..config import DataConfig
+from ..jpeg import decode_rgb
 from .batch import Batch
 from .faults import DataError, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec
-from ..jpeg import decode_rgb
 from .order import view_seeds
 from .private_aug import PrivateAugment
 from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
@@ -199,9 +201,9 @@ class _TimmPixelsDecoder(RandomResizedCropRGBImageDecoder):
 
     ffcv gives every image of every slot a scratch row (batch x the largest height x the largest width x 3 bytes
     per slot: with the originals kept and a 4000 x 5000 largest photograph, 3.8 GB of address space per slot at
-    batch 64); here a slot has one row, and only the bytes of the images it decoded are ever touched. A JPEG decoded into a cold row, then read by the
-    resize, costs memory traffic too: one row per slot measured +24% images/s with one worker (722 -> 898, 2 cores,
-    the earlier OpenCV resize)."""
+    batch 64); here a slot has one row, and only the bytes of the images it decoded are ever touched (a JPEG decoded
+    into a cold row, then read by the resize, costs memory traffic too: BENCHMARKS.md, "FFCV loader: measurements
+    behind its design")."""
 
     def __init__(self, output_size, interpolation: str, scale=(0.08, 1.0), group: int = 0):
         super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
@@ -348,10 +350,9 @@ class _EpochIterator:
     """One epoch of an ffcv Loader on ``num_workers`` threads that each run whole batches (batch k on thread
     k mod num_workers), handed out in order. ffcv's own runs one batch at a time on one thread, its decoders spread
     over the batch by numba's prange: every batch ends at a barrier (the threads that finish first wait for the
-    last) and the batch's serial work runs with the other threads idle. Side by side in one process on 2 cores,
-    device mode, 2 workers: +24% images/s (BENCHMARKS.md, "Data loading", for the scaling). The threads are the epoch's: none outlives it. turbojpeg keeps a handle per thread that ffcv never frees:
-    about 6 KB per thread and epoch (measured: 11 KB per epoch at 2 workers), 30 MB over 300 epochs at 8 workers
-    with train and eval.
+    last) and the batch's serial work runs with the other threads idle (what that costs: BENCHMARKS.md, "FFCV loader:
+    measurements behind its design"). The threads are the epoch's: none outlives it. turbojpeg keeps a handle per
+    thread that ffcv never frees: a few KB per thread and epoch, some tens of MB over a 300-epoch run.
 
     A thread that fails hands its exception to the consumer, which raises it naming the .beton (ffcv's thread
     died with it and its consumer waited on the queue for ever). ``close()`` stops and joins the threads.
@@ -480,7 +481,6 @@ class FfcvLoader:
         crop = SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation, self.spec.group_size)
         if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
             return [crop, ToTensor(), ToTorchImage()]
-        from timm.data import create_transform
 
         _, secondary, final = create_transform(
             input_size=size, is_training=True, hflip=0.0, color_jitter=d.color_jitter,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..imagetree import list_classes
 from .faults import DataError
+from .wds import read_manifest
 
 FORMATS = ("ffcv", "wds", "imagefolder")
 
@@ -14,7 +16,6 @@ def detect_format(location: str) -> str:
     """``manifest.json``'s format (a local folder, or a WebDataset URL template with ``{name}``), else
     ``imagefolder`` for an ImageNet-style tree (``train/<class>/``). Anything else is a DataError naming the
     location and what was looked for."""
-    from .wds import read_manifest
 
     local = "{name}" not in location
     if local and not Path(location).is_dir():
@@ -36,10 +37,7 @@ def class_names(location: str, fmt: str) -> list[str] | None:
     """The class of each label (ImageNet wnids): the manifest's, or the sorted train folders of an ImageFolder
     root; None when the location does not say."""
     if fmt == "imagefolder":
-        from ..imagetree import list_classes
-
         return list_classes(Path(location) / "train")
-    from .wds import read_manifest
 
     try:
         return read_manifest(location).get("classes")

@@ -9,6 +9,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from convit_scale.imagetree import list_classes, scan_split, subsample
+
 from ..config import DataConfig
 from .batch import Batch
 from .faults import DECODE_ERRORS, DataError, limit_bad_samples, reason_of
@@ -55,8 +57,6 @@ def _collate(items) -> Batch:
 
 
 def imagefolder_samples(root: Path, split: str, fraction: float) -> list[tuple[str, int]]:
-    from convit_scale.imagetree import list_classes, scan_split, subsample
-
     classes = list_classes(root / "train")
     samples, _ = scan_split(root, split, classes)
     if split == "train":

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from webdataset.gopen import gopen
 
 from .faults import DataError, reason_of
 
@@ -20,8 +21,6 @@ from .faults import DataError, reason_of
 def _open(location: str, name: str):
     """Open a file next to ``location``: a local folder, or a URL template with ``{name}``
     (``pipe:aws s3 cp s3://bucket/imagenet/{name} -``, ``https://host/shards/{name}``)."""
-    from webdataset.gopen import gopen
-
     if "{name}" in location:
         return gopen(location.format(name=name), "rb")
     path = Path(location) / name
@@ -86,8 +85,6 @@ def _open_stream(url: str):
     if url.startswith(("http://", "https://")):
         return _CommandStream(f"curl -fsS -L --connect-timeout 30 {shlex.quote(url)}")
     if "://" in url:
-        from webdataset.gopen import gopen
-
         return gopen(url, "rb")
     return open(url, "rb")
 

@@ -11,10 +11,24 @@ A second run does not redo finished work: conversions are skipped and a finished
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 
+import yaml
+from rich.table import Table
+
+from data_prep import PrepOptions, prepare
+from data_prep.fashion_mnist import build_tree
+
+from ..analysis.report import ANALYSIS_IMAGES, analyze, eval_batches
+from ..config import load_config, recipe_path
+from ..console import console as make_console
+from ..evaluation import resolve_device
+from ..ffcv_threads import importing_ffcv
 from ..metrics import read_records
+from ..train.launch import run_recipe
+from ..trained import eval_view, load_trained_model
 
 
 def _finished(run_dir: Path) -> dict | None:
@@ -23,15 +37,12 @@ def _finished(run_dir: Path) -> dict | None:
 
 
 def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], seconds: dict):
-    from rich.table import Table
-
     train = read_records(run_dir, "train")
     evals = read_records(run_dir, "eval")
     ips = [r["images_per_s"] for r in train[len(train) // 4:]] or [0.0]
     table = Table(title="convit-scale demo")
     table.add_column("what")
     table.add_column("value")
-    import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     size = cfg["model"].get("img_size") or 32
@@ -57,9 +68,6 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
 def _quiet_tqdm():
     """FFCV's writer draws a tqdm bar of its own (``ffcv.writer.tqdm``); tqdm reads TQDM_DISABLE only when it is
     first imported, which may already have happened, so the writer's name is bound to a disabled bar instead."""
-    import functools
-
-    from ..ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         import ffcv.writer
@@ -74,16 +82,8 @@ def _quiet_tqdm():
 
 def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int = 2, epochs: int | None = None,
              train_per_class: int = 6000, val_per_class: int = 200, extra: list[str] | None = None) -> dict:
-    from ..console import console as make_console
 
-    from data_prep import PrepOptions, prepare
-    from data_prep.fashion_mnist import build_tree
 
-    from ..analysis.report import ANALYSIS_IMAGES, analyze, eval_batches
-    from ..evaluation import resolve_device
-    from ..config import load_config, recipe_path
-    from ..trained import eval_view, load_trained_model
-    from ..train.launch import run_recipe
 
     console = make_console()
     out = out.resolve()

@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from data_prep import PrepOptions, prepare
+from data_prep.fashion_mnist import build_tree
+
+from ..analysis.plots import sample_efficiency
+from ..config import load_config, recipe_path
 from ..hardware import usable_cpus
 from ..metrics import read_records
+from ..train.launch import run_recipe
+
 
 def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float, models: list[str],
                           nproc: int = 1, train_per_class: int = 1000, val_per_class: int = 200,
                           jobs: int = 1, seeds: tuple[int, ...] = (0,)) -> dict:
     """Train every (model, f, seed) run, ``jobs`` runs at a time (each in its own processes, the cores split evenly
     between them: small models use one core far better than two); a finished run is not trained again."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..config import load_config, recipe_path
-    from ..train.launch import run_recipe
 
     recipe = recipe_path("cpu/sample_efficiency.yaml")
     out = out.resolve()
@@ -45,7 +49,6 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
     result = _summary(runs, results, fractions, epochs_at, models, batch, val_per_class * 10)
     result.update(base_epochs=base_epochs, train_images=train_per_class * 10, seeds=list(seeds))
     (out / "sample_efficiency.json").write_text(json.dumps(result, indent=1))
-    from ..analysis.plots import sample_efficiency
 
     sample_efficiency(result["table"], out / "sample_efficiency.png")
     return result
@@ -54,10 +57,6 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
 def _plan(out: Path, recipe, fractions, epochs_at, models, seeds, train_per_class, val_per_class) -> list[tuple]:
     """(model, f, seed, run folder, config) of every run, each one's options checked before the first starts.
     Seed 0 keeps the folder name of a one-seed run (``convit_micro_f0.1``), so that earlier runs are reused."""
-    from data_prep import PrepOptions, prepare
-    from data_prep.fashion_mnist import build_tree
-
-    from ..config import load_config
 
     tree = build_tree(out / "data" / "tree", {"train": train_per_class, "val": val_per_class})
     runs = []

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp, PatchEmbed, trunc_normal_
 from timm.layers import drop_path as timm_drop_path
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..splitmix import draw, keys_of, srl
@@ -43,7 +44,6 @@ def _fill_(param: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a full (unsharded) value into a parameter that may be a sharded DTensor."""
     with torch.no_grad():
         if hasattr(param, "device_mesh"):  # DTensor from FSDP2's fully_shard
-            from torch.distributed.tensor import distribute_tensor
 
             value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
         param.copy_(value)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from .convit import ConViT
+from .weights import load_pretrained
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,6 @@ PAPER_MODELS = [name for name, spec in MODELS.items() if spec.paper_params_m is 
 
 def list_models(pattern: str = "*") -> list[str]:
     """Names of the registered models matching a shell-style pattern (as ``timm.list_models``)."""
-    import fnmatch
 
     return [name for name in MODELS if fnmatch.fnmatch(name, pattern)]
 
@@ -91,8 +93,6 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
         model.to_empty(device=target)
         model.init_weights()
     if pretrained_file is not None:
-        from .weights import load_pretrained
-
         load_pretrained(model, pretrained_file)
     return model
 
@@ -100,7 +100,6 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
 def forward_flops(name: str, **options) -> int:
     """FLOPs (two per multiply-add) of one image's forward pass, counted by torch's FlopCounterMode on
     the meta device (no memory, no time). A training step costs three times this (MFU's convention)."""
-    from torch.utils.flop_counter import FlopCounterMode
 
     model = create_model(name, device="meta", **options).eval()
     size = options.get("img_size") or MODELS[name].img_size

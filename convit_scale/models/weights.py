@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import timm
 import torch
+from safetensors.torch import load_file
 from timm.layers import resample_abs_pos_embed
 
 from .convit import ConViT
@@ -17,7 +19,6 @@ from .convit import ConViT
 
 class CheckpointMismatch(ValueError):
     """A state dict whose keys or shapes do not match the model."""
-
 
 WEIGHTS_FILES = "a .safetensors file or a .pth/.pt/.bin state dict of tensors"
 """What :func:`read_state_dict` reads, for error messages."""
@@ -40,8 +41,6 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -143,7 +142,6 @@ def load_timm_model(name: str, path: str | Path, num_classes: int | None = None,
     (:func:`read_state_dict`), checked key by key (:func:`check_state_dict`, ``what`` names the file in the
     error) and loaded with ``strict=True``. ``name_key`` names the setting in the error for an unknown name.
     """
-    import timm
 
     kwargs = {} if num_classes is None else {"num_classes": num_classes}
     try:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 @dataclass
 class DistContext:
@@ -97,8 +99,6 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
-    from .. import comm
-
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

@@ -1,0 +1,34 @@
+"""convit_scale/parallel/zero.py: DeepSpeed on the rank's own GPU, and the ZeRO config the engine writes."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from convit_scale.parallel.zero import deepspeed_args
+from convit_scale.train.distributed import device_for
+
+
+def test_deepspeed_takes_the_ranks_gpu_not_local_rank(monkeypatch):
+    """A site that gives each task one GPU (`--gpus-per-task=1`): local rank 5 sees one device, cuda:0. The engine's
+    own choice (LOCAL_RANK) would be the invalid ordinal 5; with the args the strategy passes, DeepSpeed's engine sets
+    the device the process group uses."""
+    import deepspeed.runtime.engine as engine
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ours = device_for(5)
+    assert ours == torch.device("cuda", 0)
+
+    chosen = []
+    accelerator = types.SimpleNamespace(set_device=chosen.append, device_name=lambda i: f"cuda:{i}",
+                                        device=lambda: "cuda")
+    monkeypatch.setattr(engine, "get_accelerator", lambda: accelerator)
+    monkeypatch.setattr(engine.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(engine.dist, "get_rank", lambda: 5)
+    stub = types.SimpleNamespace(local_rank=5)
+    engine.DeepSpeedEngine._set_distributed_vars(stub, deepspeed_args(ours))  # DeepSpeed's own code, our args
+    assert chosen == [0] and stub.device == ours
+    engine.DeepSpeedEngine._set_distributed_vars(stub, None)  # what it did before: LOCAL_RANK
+    assert chosen == [0, 5]
+    assert deepspeed_args(torch.device("cpu")) is None  # on the CPU DeepSpeed's accelerator has no device to pick
