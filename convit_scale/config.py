@@ -176,6 +176,17 @@ class DataConfig:
         """``canonical_groups`` resolved (``default_groups`` when null)."""
         return self.canonical_groups or default_groups(self.global_batch_size)
 
+    def world_size_problem(self, world_size: int) -> str | None:
+        """Why ``world_size`` ranks cannot run this recipe (each rank takes whole canonical groups: the run, and every
+        checkpoint of it, are then the same at any allowed world size), or None when they can."""
+        groups = self.groups
+        if groups % world_size == 0:
+            return None
+        allowed = ", ".join(str(w) for w in range(1, groups + 1) if groups % w == 0)
+        return (f"{world_size} ranks cannot share the {groups} canonical groups of data.global_batch_size = "
+                f"{self.global_batch_size} (data.canonical_groups = {groups}; each rank takes whole groups); allowed "
+                f"world sizes: {allowed}")
+
     def validate(self, fail) -> None:
         for key in ("global_batch_size", "eval_batch_size", "repeated_aug"):
             if getattr(self, key) < 1:

@@ -289,12 +289,16 @@ class ZeroStrategy(Strategy):
             folder = directory / UNIVERSAL
         config = self._engine._config  # read by load_checkpoint only: set for this load, as the "checkpoint" section's
         before, config.load_universal_checkpoint = config.load_universal_checkpoint, folder != directory  # load_universal
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer over fp32 partitions
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
         try:
             path, _ = self._engine.load_checkpoint(str(folder), tag=tag, load_lr_scheduler_states=False)
         finally:
             config.load_universal_checkpoint = before
         if path is None:
             raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint")
+        for group, values in zip(inner.param_groups, hyper):  # the recipe's (the same recipe resumes): ZeRO-3's
+            group.update(values)  # universal load gives every group the first one's, weight decay included
 
     def full_state_dict(self):
         if self._engine.zero_optimization_stage() == 3:

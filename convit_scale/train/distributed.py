@@ -140,11 +140,6 @@ def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> 
     return micro_batch, per_rank // micro_batch
 
 
-def allowed_world_sizes(groups: int) -> list[int]:
-    """The world sizes that can run a recipe of ``groups`` canonical groups: its divisors (each rank whole groups)."""
-    return [w for w in range(1, groups + 1) if groups % w == 0]
-
-
 def check_world(cfg, world_size: int) -> tuple[int, int]:
     """The checks that need the world size, run by the launching process before any rank starts and again by
     every rank at set-up: the strategy, the canonical groups (each rank takes whole groups: the run, and every
@@ -158,10 +153,9 @@ def check_world(cfg, world_size: int) -> tuple[int, int]:
         raise ValueError("parallel.precision = 'fp16' with DeepSpeed needs a GPU or a CPU with fp16 support "
                          "(AVX512-FP16/AMX), which this one lacks: use bf16 or fp32 here")
     batch, groups = cfg.data.global_batch_size, cfg.data.groups
-    if groups % world_size:
-        raise ValueError(f"{world_size} ranks cannot share the {groups} canonical groups of data.global_batch_size = "
-                         f"{batch} (data.canonical_groups = {groups}; each rank takes whole groups); allowed world "
-                         f"sizes: {', '.join(map(str, allowed_world_sizes(groups)))}")
+    problem = cfg.data.world_size_problem(world_size)
+    if problem is not None:
+        raise ValueError(problem)
     micro, accum = solve_batch(batch, world_size, cfg.data.micro_batch_size)
     if micro % (batch // groups):
         raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of "
