@@ -22,7 +22,7 @@ from convit_scale.config import load_config
 STOP, TOTAL = 3, 13
 """Stopped after step 3 (mid-epoch: 1000 images make 31 steps of 32), compared over the 10 steps after it."""
 FORMATS = ("imagefolder", "wds", "ffcv")
-ZERO = ("zero2",)
+ZERO = ("zero2", "zero3")
 
 
 def _recipe(tmp, name: str, fmt: str, path, steps: int, strategy: str = "fsdp2"):

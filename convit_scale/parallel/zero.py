@@ -299,6 +299,9 @@ class ZeroStrategy(Strategy):
             raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint")
         for group, values in zip(inner.param_groups, hyper):  # the recipe's (the same recipe resumes): ZeRO-3's
             group.update(values)  # universal load gives every group the first one's, weight decay included
+        for state in inner.state.values():  # and one step tensor to every sub-group, which each sub-group's Adam
+            if torch.is_tensor(state.get("step")):  # step would then advance: a step counted twice, Adam's bias
+                state["step"] = state["step"].clone()  # correction off. One copy each.
 
     def full_state_dict(self):
         if self._engine.zero_optimization_stage() == 3:
