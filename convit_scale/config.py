@@ -105,6 +105,14 @@ class ModelConfig:
             fail("model.drop_path_rate", self.drop_path_rate, "must be in [0, 1)")
 
 
+def default_groups(global_batch: int, most: int = 16) -> int:
+    """The canonical groups of a recipe that names none: the largest number up to ``most`` that divides the global
+    batch into groups of an even size (Mixup pairs within a group), else the largest that divides it. 16 groups of
+    64 at batch 1024 are the paper's 16 GPU batches, each of which DeiT's Mixup draws for (DeiT, Section 6)."""
+    divisors = [k for k in range(1, most + 1) if global_batch % k == 0]
+    return max((k for k in divisors if (global_batch // k) % 2 == 0), default=max(divisors))
+
+
 @dataclass
 class DataConfig:
     format: Literal["ffcv", "wds", "imagefolder"] = "ffcv"
@@ -117,6 +125,11 @@ class DataConfig:
     """Images per optimizer step over all ranks: a property of the recipe, not of the cluster."""
     micro_batch_size: int | None = None
     """Images per rank per forward; None = the largest divisor that needs no accumulation."""
+    canonical_groups: int | None = None
+    """The global batch as this many groups of consecutive samples, each a rank's whole unit (Mixup/CutMix pairs and
+    draws, WebDataset partitions): world sizes that divide it can run and resume the run; None = the largest number
+    up to 16 that divides the global batch into groups of an even size (16 groups of 64 at batch 1024: the paper's
+    GPU batches)."""
     eval_batch_size: int = 128
     """Images per rank per evaluation forward."""
     num_workers: int = 8
@@ -158,6 +171,22 @@ class DataConfig:
     augment_on: Literal["auto", "device", "cpu"] = "auto"
     """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else cpu."""
 
+    @property
+    def groups(self) -> int:
+        """``canonical_groups`` resolved (``default_groups`` when null)."""
+        return self.canonical_groups or default_groups(self.global_batch_size)
+
+    def world_size_problem(self, world_size: int) -> str | None:
+        """Why ``world_size`` ranks cannot run this recipe (each rank takes whole canonical groups: the run, and every
+        checkpoint of it, are then the same at any allowed world size), or None when they can."""
+        groups = self.groups
+        if groups % world_size == 0:
+            return None
+        allowed = ", ".join(str(w) for w in range(1, groups + 1) if groups % w == 0)
+        return (f"{world_size} ranks cannot share the {groups} canonical groups of data.global_batch_size = "
+                f"{self.global_batch_size} (data.canonical_groups = {groups}; each rank takes whole groups); allowed "
+                f"world sizes: {allowed}")
+
     def validate(self, fail) -> None:
         for key in ("global_batch_size", "eval_batch_size", "repeated_aug"):
             if getattr(self, key) < 1:
@@ -165,6 +194,13 @@ class DataConfig:
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.global_batch_size:
             fail("data.micro_batch_size", self.micro_batch_size,
                  f"must be in [1, global_batch_size={self.global_batch_size}]")
+        if self.canonical_groups is not None and (self.canonical_groups < 1
+                                                  or self.global_batch_size % self.canonical_groups):
+            fail("data.canonical_groups", self.canonical_groups,
+                 f"must divide data.global_batch_size = {self.global_batch_size}, or be null")
+        if (self.mixup > 0 or self.cutmix > 0) and (self.global_batch_size // self.groups) % 2:
+            fail("data.canonical_groups", self.groups, f"Mixup/CutMix pair the samples of a group: groups of "
+                 f"{self.global_batch_size // self.groups} images are odd (global batch {self.global_batch_size})")
         if self.num_workers < 0:
             fail("data.num_workers", self.num_workers, "must be >= 0")
         if not 0.0 < self.subset_fraction <= 1.0:
@@ -401,6 +437,9 @@ class LogConfig:
     """Record `state_mem_mb` once: memory of the live tensors after backward (walks every tensor on CPU)."""
     debug_digest: bool = False
     """Record a digest of weights and optimizer state per rank after every step, and the teacher's checksums."""
+    debug_samples: bool = False
+    """Record the sample ids of every step's global batch, gathered from the ranks in canonical order (dataset index
+    for ImageFolder and FFCV, shard/key for WebDataset)."""
 
     def validate(self, fail) -> None:
         if self.every_steps < 1:

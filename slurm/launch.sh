@@ -17,6 +17,8 @@
 #   MAX_REQUEUES  how many times the job may requeue itself (default 50), compared with SLURM_RESTART_COUNT
 # CPUs: each rank gets its share of the job's CPUs and as many OpenMP threads (OMP_NUM_THREADS): srun
 # gives every task --cpus-per-task; torchrun gets all of the node's CPUs and splits them among its ranks.
+# Node range: sbatch --nodes=MIN-MAX starts (and restarts after a requeue) on any count in it; each count's
+# ranks must divide the recipe's data.canonical_groups (checked below, before any rank starts).
 # Requeue: after the pre-timeout signal the ranks save, exit with 75, and rank 0 writes
 # $OUTPUT_DIR/STOPPED_FOR_REQUEUE. The job requeues itself (and resumes from the newest checkpoint) only
 # when that marker was written during this run's training step AND the step's exit status is one a stop
@@ -108,8 +110,13 @@ sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null)
         echo "== warning: torch ${tv%% *} has no torchrun --shutdown-timeout: the ranks get torchrun's fixed 30 s, not STOP_GRACE_S, to save after the signal"
     fi
 fi
-# Validate (and print) the resolved recipe before any training process starts.
-"$PY" -m convit_scale.cli config --recipe "$RECIPE" "${args[@]}" | sed 's/^/   /' || { echo "error: recipe refused"; exit 2; }
+# Validate (and print) the resolved recipe before any training process starts, on this job's world size: each rank
+# takes whole canonical groups of the global batch (data.canonical_groups), so a job submitted with a node range
+# (sbatch --nodes=2-4) runs, and resumes any checkpoint of the run, on any count of nodes whose ranks divide them;
+# only the speed changes (the same global batch: a larger micro-batch or more accumulation per GPU). A count that
+# does not divide them is refused here with the allowed world sizes, before srun, and the job is not requeued.
+"$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" "${args[@]}" | sed 's/^/   /' \
+    || { echo "error: recipe refused"; exit 2; }
 
 # A marker left by an earlier run must not requeue this one: only a marker written by this step counts.
 rm -f "$MARKER"

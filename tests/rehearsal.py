@@ -102,10 +102,10 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int) -> Path:
     """The tiny recipe (tests/conftest.py's) at the job's world size: 2 images per rank (4 steps an epoch at 32
-    ranks), every step logged, a checkpoint every epoch."""
+    ranks) in as many canonical groups as ranks, every step logged, a checkpoint every epoch."""
     from tests.conftest import tiny_recipe
 
-    recipe = tiny_recipe(path, "wds", data, out, data={"global_batch_size": 2 * world},
+    recipe = tiny_recipe(path, "wds", data, out, data={"global_batch_size": 2 * world, "canonical_groups": world},
                          schedule={"epochs": 20, "warmup_epochs": 1, "max_steps": steps},
                          checkpoint={"every_epochs": 1, "keep_last": 4}, parallel=parallel)
     from convit_scale.config import load_config

@@ -15,7 +15,7 @@ from PIL import Image
 from conftest import REPO, run_cli, torchrun_cmd
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
-from convit_scale.data.order import rank_indices
+from convit_scale.data.geometry import EpochGeometry
 from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
 from convit_scale.imagetree import subsample
 
@@ -157,17 +157,32 @@ def test_table2_subset_keeps_first_files_per_class():
                                       "c2/001.JPEG", "c2/002.JPEG"]
 
 
-def test_epoch_plan_coverage_padding_and_repeats():
-    for n, world in ((1000, 2), (1001, 4), (7, 3)):
-        parts = [rank_indices(n, world, r, seed=0, epoch=0) for r in range(world)]
-        assert len({len(p) for p in parts}) == 1  # equal per rank
-        counts = collections.Counter(np.concatenate(parts).tolist())
-        assert set(counts) == set(range(n))  # every sample once ...
-        assert sum(counts.values()) - n <= world - 1  # ... up to padding of at most world - 1
-    a, b = rank_indices(100, 2, 0, 0, 0), rank_indices(100, 2, 0, 0, 1)
-    assert not np.array_equal(a, b) and np.array_equal(a, rank_indices(100, 2, 0, 0, 0))
-    rep = np.concatenate([rank_indices(99, 3, r, 0, 0, repeats=3) for r in range(3)])
-    assert len(rep) == 99 and set(collections.Counter(rep.tolist()).values()) == {3}  # 33 images x 3
+def _global_steps(n: int, world: int, batch: int, groups: int, repeats: int = 1, epoch: int = 0) -> list[list[int]]:
+    """Each step's global batch (sample indices, in canonical order: rank 0's groups, then rank 1's, ...)."""
+    ranks = []
+    for r in range(world):
+        spec = LoaderSpec("train", 32, batch // world, world, r, seed=0, global_batch_size=batch,
+                          canonical_groups=groups)
+        ranks.append(EpochGeometry.of(n, spec, "test").sample_indices(epoch, repeats)[0].reshape(-1, batch // world))
+    return np.concatenate(ranks, axis=1).tolist()
+
+
+def test_epoch_plan_is_the_same_at_any_world_size_with_repeats_spread_over_groups():
+    for n, batch, groups in ((1000, 32, 4), (1001, 48, 4), (70, 8, 2)):
+        steps = _global_steps(n, 1, batch, groups)
+        assert len(steps) == n // batch  # the last partial global batch dropped, no padding
+        for world in (2, groups):
+            assert _global_steps(n, world, batch, groups) == steps
+        flat = [i for step in steps for i in step]
+        assert len(set(flat)) == len(flat) and set(flat) <= set(range(n))  # every view of the epoch at most once
+    assert _global_steps(100, 2, 8, 2, epoch=1) != _global_steps(100, 2, 8, 2, epoch=0)
+    rep = _global_steps(99, 2, 12, 4, repeats=3)  # 33 images x 3, each image's copies in different groups
+    assert set(collections.Counter(i for step in rep for i in step).values()) <= {1, 2, 3}
+    for step in rep:
+        groups_of = collections.defaultdict(set)
+        for slot, i in enumerate(step):
+            groups_of[i].add(slot // 3)  # group g holds slots [3g, 3g + 3)
+        assert all(len(g) == step.count(i) for i, g in groups_of.items())
 
 
 def test_transforms_shapes_and_ranges(fm_tree):

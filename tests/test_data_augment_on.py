@@ -37,7 +37,7 @@ def test_device_mode_batches_are_uint8_crops_with_the_cpu_paths_seeds(fmt, fm_tr
     assert _same(next(iter(loader.epoch(1, start_batch=2))), first[2])  # a resume continues the epoch
     # the CPU path with no augmentation after the crop: the same crops, normalised there
     cpu = next(iter(build_loader(d, LoaderSpec("train", 32, 16, seed=3)).epoch(1)))
-    assert cpu.seeds is None and torch.allclose(normalize(first[0].images), cpu.images, atol=1e-6)
+    assert torch.equal(cpu.seeds, first[0].seeds) and torch.allclose(normalize(first[0].images), cpu.images, atol=1e-6)
     val = next(iter(build_loader(d, LoaderSpec("val", 32, 16, augment_on_device=True)).epoch(0)))
     cpu_val = next(iter(build_loader(d, LoaderSpec("val", 32, 16)).epoch(0)))
     assert val.images.dtype == torch.uint8 and val.images.shape == (16, 3, 32, 32)

@@ -164,7 +164,8 @@ def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, t
     _record_sizes(path)
     d = DataConfig(format="wds", train_path=str(path), val_path=str(path), global_batch_size=32, num_workers=0,
                    repeated_aug=1)
-    loader = build_loader(d, LoaderSpec("train", MODELS["convit_nano"].img_size, 32))
+    loader = build_loader(d, LoaderSpec("train", MODELS["convit_nano"].img_size, 32, global_batch_size=32,
+                                       canonical_groups=d.groups))  # the run's canonical partitions
     expected = []
     for step, batch in enumerate(loader.epoch(0), 1):
         expected += [{"step": step, "epoch": 0, **r, "rank": 0} for r in batch.bad]

@@ -19,9 +19,28 @@ def test_world_checks_name_the_key():
     cfg = load_config(None, ["parallel.strategy=none"])
     with pytest.raises(ValueError, match="parallel.strategy = 'none' on 2 ranks"):
         check_world(cfg, 2)
-    odd = load_config(None, ["data.global_batch_size=6"])
-    with pytest.raises(ValueError, match="Mixup/CutMix need an even micro-batch; 3 per rank"):
-        check_world(odd, 2)
+    six = load_config(None, ["data.global_batch_size=6"])  # 3 canonical groups of 2 (Mixup pairs in a group)
+    assert six.data.groups == 3 and check_world(six, 3) == (2, 1) and check_world(six, 1) == (6, 1)
+    with pytest.raises(ValueError, match="2 ranks cannot share the 3 canonical groups of data.global_batch_size = 6 "
+                                         r"\(data.canonical_groups = 3; .*allowed world sizes: 1, 3$"):
+        check_world(six, 2)
+    with pytest.raises(ValueError, match="data.micro_batch_size = 3 is not a whole number of canonical groups of 2"):
+        check_world(load_config(None, ["data.global_batch_size=6", "data.micro_batch_size=3"]), 1)
+
+
+def test_canonical_groups_default_and_validation():
+    from convit_scale.config import ConfigError, default_groups
+
+    # 16 groups of 64 at the paper's batch 1024 (its 16 GPUs x 64); the "+" recipes' 512 on 32 GPUs name 32
+    assert [default_groups(b) for b in (1024, 512, 32, 6, 4, 2, 250, 7)] == [16, 16, 16, 3, 2, 1, 5, 7]
+    assert load_config(None, []).data.groups == 16
+    with pytest.raises(ConfigError, match="data.canonical_groups = 24 is not allowed; must divide "
+                                          "data.global_batch_size = 1024"):
+        load_config(None, ["data.canonical_groups=24"])
+    with pytest.raises(ConfigError, match="data.canonical_groups = 1024 is not allowed; Mixup/CutMix pair the samples "
+                                          "of a group: groups of 1 images are odd"):
+        load_config(None, ["data.canonical_groups=1024"])
+    assert load_config(None, ["data.canonical_groups=1024", "data.mixup=0", "data.cutmix=0"]).data.groups == 1024
 
 
 def test_a_jobs_rendezvous_port_stays_below_the_ephemeral_range():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .argtypes import recipe
+from .argtypes import int_at_least, recipe
 
 RECIPE_HELP = "a recipe file or a shipped recipe's name (recipes/cpu/demo.yaml)"
 
@@ -23,6 +23,10 @@ def _cmd_config(args) -> int:
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"argument --recipe: {e}") from None
     cfg = load_config(path, overrides)
+    if args.world_size is not None:  # slurm/launch.sh: the job's ranks, before any of them starts
+        problem = cfg.data.world_size_problem(args.world_size)
+        if problem is not None:
+            raise ValueError(problem)
     if args.get is None:
         print(cfg.to_yaml(), end="")
         return 0
@@ -42,6 +46,8 @@ def register(sub) -> None:
                                    "every key checked. `config RECIPE [overrides]` works too.")
     p.add_argument("--recipe", type=recipe, help=RECIPE_HELP)
     p.add_argument("--get", metavar="KEY", help="print only this dotted key's value (e.g. run.output_dir), for scripts")
+    p.add_argument("--world-size", type=int_at_least(1), metavar="N",
+                   help="refuse the recipe unless N ranks can run it (each rank whole canonical groups), for scripts")
     p.add_argument("rest", nargs="*", metavar="override",
                    help="dotted overrides, e.g. optim.base_lr=4e-4 (without --recipe: the recipe first)")
     p.set_defaults(func=_cmd_config)

@@ -34,7 +34,7 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from ..augment_policy import ALL_OPS, GEOMETRIC_OPS, LEVEL_DENOM, RandAugmentPolicy, unsupported_on_device
-from .splitmix import draw, keys_of, srl
+from ..splitmix import draw, keys_of, srl
 
 @dataclass(frozen=True)
 class DeviceAugmentConfig:

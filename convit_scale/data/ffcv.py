@@ -157,23 +157,25 @@ def _flip_in_place(img):  # (H, W, 3) uint8
                 img[r, width - 1 - c, ch] = t
 
 
-def _decode_or_next(mem_read):
+def _decode_or_next(mem_read, group: int):
     """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch) -> (height, width)``: the image of view
     ``dst_ix`` of a batch as flat RGB bytes (``height x width x 3``) in ``scratch``, decoded as PIL decodes it
     (``jpeg.decode_rgb``) or copied as stored (a raw image: one type of buffer for the resize to read, whatever the
-    image's mode), else, if turbojpeg refuses its JPEG, the next view of the batch (cyclically) that decodes, with
-    ``REPLACED`` set on the view's id in place (ffcv passes the traversal order's own memory), where FfcvLoader
+    image's mode), else, if turbojpeg refuses its JPEG, the next view of its group (cyclically: ``group`` views, the
+    canonical group in training, so the replacement is the same at any world size; 0: the whole batch) that decodes,
+    with ``REPLACED`` set on the view's id in place (ffcv passes the traversal order's own memory), where FfcvLoader
     finds it to fix the label and list it. ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG
-    silently becomes whatever the buffer held. If no view of the batch decodes, the view's own size over
+    silently becomes whatever the buffer held. If no view of the group decodes, the view's own size over
     ``scratch``: FfcvLoader raises for that batch."""
     jpg = IMAGE_MODES["jpg"]
 
     def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch):
-        n = len(batch_indices)
+        n = group if group > 0 else len(batch_indices)
+        base = dst_ix - dst_ix % n
         own = metadata[batch_indices[dst_ix] & FILE_INDEX]
         height, width = np.uint32(own["height"]), np.uint32(own["width"])
-        for attempt in range(n):  # the view itself, else the next one of the batch that decodes
-            field = metadata[batch_indices[(dst_ix + attempt) % n] & FILE_INDEX]
+        for attempt in range(n):  # the view itself, else the next one of the group that decodes
+            field = metadata[batch_indices[base + (dst_ix - base + attempt) % n] & FILE_INDEX]
             image_data = mem_read(field["data_ptr"], storage_state)
             src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
             if field["mode"] != jpg:
@@ -203,9 +205,9 @@ class _TimmPixelsDecoder(RandomResizedCropRGBImageDecoder):
     into a cold row, then read by the resize, costs memory traffic too: BENCHMARKS.md, "FFCV loader: measurements
     behind its design")."""
 
-    def __init__(self, output_size, interpolation: str, scale=(0.08, 1.0)):
+    def __init__(self, output_size, interpolation: str, scale=(0.08, 1.0), group: int = 0):
         super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
-        self.kind = FILTERS[interpolation]
+        self.kind, self.group = FILTERS[interpolation], group
 
     def declare_state_and_memory(self, previous_state):
         state, (output, _) = super().declare_state_and_memory(previous_state)
@@ -219,15 +221,16 @@ class SeededCropFlipDecoder(_TimmPixelsDecoder):
     with the parameters drawn from the view's seed (the high bits of the id) rather than numba's unseeded generator,
     and the crop resized as timm does (``resample.resized_crop``).
 
-    A view whose JPEG fails to decode takes the next view of the batch that decodes (``_decode_or_next``), cropped
-    and flipped with its own seed."""
+    A view whose JPEG fails to decode takes the next view of its canonical group (``group`` views) that decodes
+    (``_decode_or_next``), cropped and flipped with its own seed."""
 
-    def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0), interpolation: str = "bicubic"):
-        super().__init__(output_size, interpolation, scale)
+    def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0), interpolation: str = "bicubic",
+                 group: int = 0):
+        super().__init__(output_size, interpolation, scale, group)
         self.flip_prob = flip_prob
 
     def generate_code(self):
-        decode_or_next = _decode_or_next(self.memory_read)
+        decode_or_next = _decode_or_next(self.memory_read, self.group)
         scale, log_ratio, flip_prob, kind = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob, self.kind
 
         def decode(batch_indices, my_storage, metadata, storage_state):
@@ -257,7 +260,7 @@ class TimmEvalDecoder(_TimmPixelsDecoder):
         self.short_side = eval_short_side(output_size[0], crop_ratio)
 
     def generate_code(self):
-        decode_or_next, short_side, kind = _decode_or_next(self.memory_read), self.short_side, self.kind
+        decode_or_next, short_side, kind = _decode_or_next(self.memory_read, 0), self.short_side, self.kind
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
@@ -475,16 +478,15 @@ class FfcvLoader:
         if not self.spec.train:
             return [TimmEvalDecoder((size, size), d.eval_crop_ratio, d.interpolation), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [_EvalNormalize()])
+        crop = SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation, self.spec.group_size)
         if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
-            return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation), ToTensor(),
-                    ToTorchImage()]
+            return [crop, ToTensor(), ToTorchImage()]
 
         _, secondary, final = create_transform(
             input_size=size, is_training=True, hflip=0.0, color_jitter=d.color_jitter,
             auto_augment=d.rand_augment, interpolation=d.interpolation, re_prob=d.reprob,
             re_mode="pixel", re_count=1, separate=True)
-        return [SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation),
-                PrivateTimmStage(PrivateAugment(secondary, final), size)]
+        return [crop, PrivateTimmStage(PrivateAugment(secondary, final), size)]
 
     def _ffcv_loader(self) -> Loader:
         """Built once: each ffcv Loader compiles its pipeline with numba (seconds)."""
@@ -498,13 +500,11 @@ class FfcvLoader:
 
     def views(self, epoch: int, start_batch: int = 0) -> np.ndarray:
         """The ids ffcv passes through the pipeline for this rank's views from ``start_batch`` on: the file
-        index in the low 32 bits, the view's augmentation seed (train) in the high 32 bits."""
-        first = start_batch * self.spec.micro_batch_size
-        positions = self.geometry.sample_indices(epoch, self.d.repeated_aug)[first:]
-        views = self._indices[positions]
+        index in the low 32 bits, the view's augmentation seed (train: of its position in the epoch) in the high 32."""
+        samples, positions = self.geometry.sample_indices(epoch, self.d.repeated_aug, start_batch)
+        views = self._indices[samples]
         if self.spec.train:
-            seeds = view_seeds(self.spec.seed, epoch, self.geometry.global_positions(first, len(positions)))
-            views = views | (seeds << ID_BITS)
+            views = views | (view_seeds(self.spec.seed, epoch, positions) << ID_BITS)
         return views
 
     def epoch(self, epoch: int, start_batch: int = 0):
@@ -531,16 +531,19 @@ class FfcvLoader:
             first += len(labels)
             failed = {int(i) for i in np.flatnonzero(views & REPLACED)}
             bad = []
-            for i in sorted(failed):  # the decoder took the next view that decodes: so does the label
-                j = next_good(failed, i, len(labels))
+            group = self.spec.group_size if self.spec.train else len(labels)
+            for i in sorted(failed):  # the decoder took the next view of the group that decodes: so does the label
+                base = i - i % group
+                j = next_good({f - base for f in failed if base <= f < base + group}, i - base, group)
                 if j is None:
-                    raise DataError(f"{self._path}: no decodable image in a batch of {len(labels)} (file indices "
-                                    f"{(views[:4] & FILE_INDEX).tolist()}...)")
-                labels[i] = labels[j]
+                    raise DataError(f"{self._path}: no decodable image in a group of {group} (file indices "
+                                    f"{(views[base:base + 4] & FILE_INDEX).tolist()}...)")
+                labels[i] = labels[base + j]
                 bad.append({"file": str(self._path), "key": int(views[i] & FILE_INDEX),
                             "reason": "undecodable JPEG (turbojpeg refused it)"})
-            seeds = None  # the views' seeds, for the device's augmentation (ffcv yields the plan's order)
-            if self.spec.train and self.spec.augment_on_device:
+            seeds = ids = None  # training: the views' seeds (device augmentation, drop-path) and file indices
+            if self.spec.train:
                 seeds = torch.from_numpy(((views & ~REPLACED) >> ID_BITS).astype(np.int64))
-            batch = Batch(images, labels, seeds, bad=bad)
+                ids = (views & FILE_INDEX).astype(np.int64).tolist()
+            batch = Batch(images, labels, seeds, bad=bad, ids=ids)
             yield batch.pin_memory() if self.spec.pin_memory else batch  # images: already pinned, kept as they are

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -85,19 +86,20 @@ class ImageFolderLoader:
 
     def epoch(self, epoch: int, start_batch: int = 0):
         s, b = self.spec, self.spec.micro_batch_size
-        idx = self.geometry.sample_indices(epoch, self.d.repeated_aug)[start_batch * b:]
-        # Seeded by the view's global position: the same sample gets the same augmentation whatever
-        # the world size, so runs on 1 and on N ranks see identical batches.
-        positions = self.geometry.global_positions(start_batch * b, len(idx))
-        items = list(zip(idx.tolist(), view_seeds(s.seed, epoch, positions).tolist()))
+        idx, positions = self.geometry.sample_indices(epoch, self.d.repeated_aug, start_batch)
+        # Seeded by the view's position in the epoch: the same sample gets the same augmentation whatever the world
+        # size, so runs on 1 and on N ranks see identical global batches.
+        seeds = view_seeds(s.seed, epoch, positions)
+        items = list(zip(idx.tolist(), seeds.tolist()))
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train, persistent_workers=False,
                             collate_fn=_collate, pin_memory=s.pin_memory,
                             **loader_options(self.d.num_workers, s.seed, epoch))
         batches = limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, s.rank)
-        if not (s.train and s.augment_on_device):
+        if not s.train:
             yield from batches
             return
-        seeds = torch.tensor([seed for _, seed in items], dtype=torch.int64)
+        seeds, ids = torch.from_numpy(seeds.astype(np.int64)), idx.tolist()
         for k, batch in enumerate(batches):  # in order: batch k holds items [k*b, (k+1)*b)
-            batch.seeds = seeds[k * b: k * b + len(batch.labels)]
+            # the sample seeds feed the device augmentation and the per-sample drop-path; the ids, log.debug_samples
+            batch.seeds, batch.ids = seeds[k * b: k * b + len(batch.labels)], ids[k * b: k * b + len(batch.labels)]
             yield batch

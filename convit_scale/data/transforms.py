@@ -3,7 +3,7 @@
 Train: bicubic RandomResizedCrop + flip, RandAugment rand-m9-mstd0.5-inc1, colour jitter 0.4 (timm skips
 it when RandAugment is on, as DeiT does), normalisation, random erasing 0.25 in pixel mode.
 Eval: resize to img_size / 0.875 (256 for 224), centre crop, normalisation.
-Mixup 0.8 / CutMix 1.0 with label smoothing act on whole batches in the training loop.
+Mixup 0.8 / CutMix 1.0 with label smoothing act on the canonical groups of a batch in the training step (mixup.py).
 
 With the augmentation on the training device (``LoaderSpec.augment_on_device``) the loaders stop at uint8
 tensors: train after the crop and flip, eval after the resize and centre crop; device_augment.py does the rest.
@@ -15,7 +15,7 @@ import random
 
 import numpy as np
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, create_transform
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from timm.data.transforms import MaybePILToTensor
 from torchvision.transforms import Compose
 
@@ -41,14 +41,6 @@ def build_eval_transform(d: DataConfig, img_size: int, on_device: bool = False):
                             crop_pct=d.eval_crop_ratio, use_prefetcher=on_device)
 
 
-def build_mixup(d: DataConfig, num_classes: int) -> Mixup | None:
-    """Batch Mixup/CutMix producing smoothed soft targets; None when both are off."""
-    if d.mixup <= 0 and d.cutmix <= 0:
-        return None
-    return Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob, switch_prob=d.mixup_switch_prob,
-                 mode="batch", label_smoothing=d.label_smoothing, num_classes=num_classes)
-
-
 def seed_host(seed: int) -> None:
     """Seed Python, NumPy and torch's CPU generator: what timm's per-sample transforms draw from. The loaders call
     it once per sample; ``torch.manual_seed`` would also reseed every accelerator (each call formats a stack trace
@@ -60,7 +52,8 @@ def seed_host(seed: int) -> None:
 
 
 def seed_all(seed: int) -> None:
-    """Seed Python, NumPy and torch on every device (the training step's Mixup and drop-path draw from these)."""
+    """Seed Python, NumPy and torch on every device (the training step seeds them with its own seed, the same on every
+    rank: its Mixup and drop-path draw from the groups' and samples' seeds, nothing of it from these)."""
     seed_host(seed)
     torch.manual_seed(seed)
 

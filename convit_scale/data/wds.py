@@ -1,196 +1,168 @@
-"""WebDataset shards from ``data_prep`` (local folders or any URL webdataset opens: ``pipe:``, http).
+"""WebDataset shards from ``data_prep`` (local folders or any URL webdataset opens: ``pipe:``, http), read through
+``shards.py``.
 
-Shards are read in a per-epoch permuted order; each rank reads its contiguous range of the sample
-sequence through DataLoader workers, and augmentation is seeded per sample, so a resumed epoch is
-bit-identical. A shard that fails to open or to stream is reopened with backoff (``data.open_retries``), a
-``pipe:`` command's exit status counting; a sample that cannot be read or decoded is replaced and listed
-(faults.py).
+Training reads canonical partitions, a function of the recipe alone: the epoch's sample sequence is the shards in a
+per-epoch permuted order; its first ceil(N / repeats) samples are cut into P = K x L contiguous partitions (K the
+canonical groups, L ``lanes_per_group``), each sample repeated ``repeats`` times in a row and the partition's views
+streamed through a shuffle buffer seeded by (seed, epoch, partition). Step s takes v = g / L consecutive views of
+each partition: group k's g views are its L lanes' v views (partitions k*L .. k*L + L - 1), at the canonical
+positions of geometry.py, which seed their augmentation. A rank reads the whole partitions of its groups and nothing
+else, so the sample stream is the same at any world size: a run resumed on another number of ranks continues it.
+The rank's DataLoader workers each own a contiguous block of its partitions and yield, per step, their views of it;
+the rank concatenates one item per worker (torch's DataLoader takes them round robin) into the step's views in
+canonical order and cuts it into micro-batches: it holds one step at a time. A resume at step s0 skips each
+partition's first s0 x v views without decoding them.
+
+A sample that cannot be read or decoded is replaced by the next good sample of its partition's stream (looking ahead
+of the step if need be), augmented with its own seed: a function of the partition alone, at any world size.
+Evaluation reads the rank's contiguous range of the unpermuted sequence, in batches.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import math
-import shlex
-import subprocess
-import tarfile
-import tempfile
-import time
-from pathlib import Path
+from collections import deque
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.gopen import gopen
 
 from ..config import DataConfig
 from .batch import Batch
 from .faults import DECODE_ERRORS, DataError, decode_rgb, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec, eval_positions
-from .order import contiguous_range, epoch_permutation, view_seeds
+from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
+from .shards import read_manifest, shard_samples, shard_url, shuffle_buffer
 from .transforms import build_eval_transform, build_train_transform, seed_host
 from .workers import iterate, loader_options
 
+__all__ = ["WdsLoader", "lanes_per_group", "read_manifest"]
 
-def _open(location: str, name: str):
-    """Open a file next to ``location``: a local folder, or a URL template with ``{name}``
-    (``pipe:aws s3 cp s3://bucket/imagenet/{name} -``, ``https://host/shards/{name}``)."""
-
-    if "{name}" in location:
-        return gopen(location.format(name=name), "rb")
-    path = Path(location) / name
-    if not path.is_file():
-        raise DataError(f"{path}: not found")
-    return open(path, "rb")
+MAX_LANES = 8
+"""WebDataset partitions per canonical group at most: a rank of a job with one group per rank keeps up to this many
+DataLoader workers busy (each worker reads whole partitions)."""
+LOOKAHEAD = 64
+"""Views of a partition's stream searched past a step for the replacement of an unreadable sample."""
 
 
-def read_manifest(location: str) -> dict:
+def lanes_per_group(group_size: int) -> int:
+    """L: the partitions of a canonical group of ``group_size`` samples, the largest divisor of it up to MAX_LANES
+    (each gives group_size / L views per step)."""
+    return max(lanes for lanes in range(1, min(group_size, MAX_LANES) + 1) if group_size % lanes == 0)
+
+
+def decode_chunk(chunk: list, seeds, transform, replacement, where: str):
+    """(images, labels, bad records) of (shard, key, jpeg, label, reason) items, each augmented from its own seed.
+    An item that cannot be read or decoded takes the (image, label) that ``replacement(i, failed)`` gives (None:
+    a DataError naming ``where``), augmented with its own seed."""
+    images, labels, failed = [None] * len(chunk), [None] * len(chunk), {}
+    for i, (url, key, jpg, label, reason) in enumerate(chunk):
+        if reason is None:
+            try:
+                img = decode_rgb(jpg)
+            except DECODE_ERRORS as e:
+                reason = f"undecodable image ({reason_of(e)})"
+        if reason is not None:
+            failed[i] = {"shard": url, "key": key, "reason": reason}
+            continue
+        seed_host(int(seeds[i]))
+        images[i], labels[i] = transform(img), label
+    for i, record in failed.items():
+        found = replacement(i, failed)
+        if found is None:
+            raise DataError(f"{record['shard']}: no readable sample in {where} (key {record['key']}: "
+                            f"{record['reason']})")
+        seed_host(int(seeds[i]))
+        images[i], labels[i] = transform(found[0]), found[1]
+    return images, labels, list(failed.values())
+
+
+def _decodable(item) -> tuple | None:
+    """(image, label) of an item that reads and decodes, else None."""
+    _, _, jpg, label, reason = item
+    if reason is not None:
+        return None
     try:
-        with _open(location, "manifest.json") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{location}: no readable manifest.json ({e}); convert with `convit-scale prep`") from e
+        return decode_rgb(jpg), label
+    except DECODE_ERRORS:
+        return None
 
 
-def shard_url(location: str, name: str) -> str:
-    """The URL or path of shard ``name`` at ``location`` (what errors and ``Batch.bad`` name)."""
-    return location.format(name=name) if "{name}" in location else str(Path(location) / name)
+class _Partition:
+    """One canonical partition's views in order: its samples (a contiguous range of the epoch's sequence), each
+    ``repeats`` times, through a shuffle buffer seeded by (seed, epoch, partition); ``take`` hands them out, ``ahead``
+    looks past them without taking."""
+
+    def __init__(self, loader: "WdsLoader", epoch: int, p: int):
+        lo, hi = contiguous_range(loader.unique, loader.partitions, p)
+        r = loader.d.repeated_aug
+        views = (item for item in loader.read_range(epoch, lo, hi) for _ in range(r))
+        rng = np.random.default_rng([loader.spec.seed, epoch, p])
+        self.stream, self.queued = shuffle_buffer(views, loader.partition_buffer, rng), deque()
+
+    def take(self, n: int) -> list:
+        out = [self.queued.popleft() for _ in range(min(n, len(self.queued)))]
+        return out + list(itertools.islice(self.stream, n - len(out)))
+
+    def ahead(self):
+        """The views after those taken, read (and kept for ``take``) as they are asked for."""
+        yield from list(self.queued)
+        for item in self.stream:
+            self.queued.append(item)
+            yield item
 
 
-class _CommandStream:
-    """The standard output of a shell command (a ``pipe:`` URL, or curl for http(s)), whose exit status and
-    standard error are checked: a command that fails is a failed read even when its output looks complete."""
+class _TrainEpoch(IterableDataset):
+    """The rank's training epoch from step ``first_step``: per step, one item per DataLoader worker, the views of the
+    worker's block of the rank's partitions, in canonical order (``WdsLoader`` says how)."""
 
-    def __init__(self, command: str):
-        self.command, self.stderr = command, tempfile.TemporaryFile()  # a file: a chatty command never blocks
-        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr)
+    def __init__(self, loader: "WdsLoader", epoch: int, first_step: int, workers: int):
+        self.loader, self.epoch, self.first_step, self.workers = loader, epoch, first_step, workers
 
-    def read(self, size: int = -1) -> bytes:
-        return self.proc.stdout.read(size)
+    def __iter__(self):
+        ld = self.loader
+        info = get_worker_info()
+        lo, hi = contiguous_range(len(ld.rank_partitions), self.workers, info.id if info else 0)
+        owned = ld.rank_partitions[lo:hi]
+        parts = {p: _Partition(ld, self.epoch, p) for p in owned}
+        for part in parts.values():  # the steps before a resume, skipped without decoding
+            for _ in range(self.first_step):
+                part.take(ld.views_per_step)
+        for step in range(self.first_step, ld.geometry.steps):
+            chunks = [self._chunk(step, p, parts[p]) for p in owned]
+            yield Batch(torch.cat([c.images for c in chunks]), torch.cat([c.labels for c in chunks]),
+                        torch.cat([c.seeds for c in chunks]), [r for c in chunks for r in c.bad],
+                        [i for c in chunks for i in c.ids])
 
-    def failure(self, wait: bool = False) -> str | None:
-        """"exit status N: <last line of stderr>" once the command has failed, else None."""
-        status = self.proc.wait() if wait else self.proc.poll()
-        if not status:
-            return None
-        self.stderr.seek(0)
-        lines = [line.strip() for line in self.stderr.read()[-2000:].decode(errors="replace").splitlines()]
-        last = next((line for line in reversed(lines) if line), "")
-        return f"exit status {status}" + (f": {last}" if last else "")
+    def _chunk(self, step: int, p: int, part: _Partition) -> Batch:
+        """Partition ``p``'s views of ``step``: lane p % L of group p // L, at the canonical positions of its slots."""
+        ld, v = self.loader, self.loader.views_per_step
+        k, lane = divmod(p, ld.lanes)
+        slots = lane * v + np.arange(v)
+        seeds = view_seeds(ld.spec.seed, self.epoch, step * ld.spec.global_batch + slots * ld.spec.groups + k)
+        chunk = part.take(v)
 
-    def finish(self) -> None:
-        """At the end of the archive: read what is left, wait, and raise OSError if the command failed."""
-        while self.proc.stdout.read(1 << 16):
-            pass
-        failure = self.failure(wait=True)
-        if failure:
-            raise OSError(failure)
+        def replacement(i: int, failed: dict):  # the next good view of the partition's stream
+            later = (item for j, item in enumerate(chunk) if j > i and j not in failed)
+            return next(filter(None, map(_decodable, itertools.chain(later, itertools.islice(
+                part.ahead(), LOOKAHEAD)))), None)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:  # left early (the range ended inside the shard): not a failure
-            self.proc.kill()
-        self.proc.stdout.close()
-        self.proc.wait()
-        self.stderr.close()
-
-
-def _open_stream(url: str):
-    if url.startswith("pipe:"):
-        return _CommandStream(url[len("pipe:"):])
-    if url.startswith(("http://", "https://")):
-        return _CommandStream(f"curl -fsS -L --connect-timeout 30 {shlex.quote(url)}")
-    if "://" in url:
-        return gopen(url, "rb")
-    return open(url, "rb")
+        images, labels, bad = decode_chunk(chunk, seeds, ld.transform, replacement,
+                                           f"partition {p} of epoch {self.epoch}, step {step}, and the {LOOKAHEAD} "
+                                           f"views after it")
+        ids = [f"{url.rsplit('/', 1)[-1]}/{key}" for url, key, *_ in chunk]
+        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long),
+                     torch.from_numpy(seeds.astype(np.int64)), bad, ids)
 
 
-def _tar_samples(tar, where: list):
-    """(key, jpg, label, reason) of each sample of an open tar stream, in order; ``where[0]`` holds the key being
-    read. A sample without both members or with an unreadable label comes with a reason instead of data."""
-    key, jpg, cls = None, None, None
+class _EvalEpoch(IterableDataset):
+    """One rank's evaluation epoch as whole batches, split over DataLoader workers in contiguous batch ranges.
 
-    def sample():
-        if jpg is None or cls is None:
-            return key, None, None, f"incomplete sample (no .{'jpg' if jpg is None else 'cls'} member)"
-        try:
-            return key, jpg, int(cls), None
-        except ValueError:
-            return key, None, None, f"unreadable label {cls[:20]!r}"
-
-    for member in tar:
-        stem, _, ext = member.name.rpartition(".")
-        if stem != key:
-            if key is not None:
-                yield sample()
-            key, jpg, cls = stem, None, None
-            where[0] = key
-        payload = tar.extractfile(member).read()
-        if len(payload) != member.size:
-            raise tarfile.ReadError(f"member {member.name} truncated")
-        if ext == "jpg":
-            jpg = payload
-        elif ext == "cls":
-            cls = payload
-        if jpg is not None and cls is not None:
-            yield sample()
-            key, jpg, cls = None, None, None
-    if key is not None:
-        yield sample()
-
-
-def shard_samples(location: str, name: str, count: int, retries: int, backoff_s: float, sleep=time.sleep):
-    """The ``count`` samples of one shard, in order, as (key, jpg, label, reason); ``reason`` (else None) says
-    why a sample has no data. A shard that fails to open or to stream is reopened after backoff_s, 2 x
-    backoff_s, ... (``retries`` times), skipping the samples already delivered; a local file that is not a
-    valid tar reads the same again and is not reopened. When it never opens: a DataError naming the shard and
-    the number of tries. When it keeps failing mid-shard: the rest of its samples come with the reason."""
-    url = shard_url(location, name)
-    local = "{name}" not in location
-    delivered, tries, where = 0, 0, [None]
-    while delivered < count:
-        tries += 1
-        opened, stream = False, None
-        try:
-            stream = _open_stream(url)
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
-                opened, position = True, 0
-                for item in _tar_samples(tar, where):
-                    if position >= delivered:
-                        yield item
-                        delivered += 1
-                    position += 1
-                    if delivered == count:
-                        break
-            if delivered < count and isinstance(stream, _CommandStream):
-                stream.finish()
-            if delivered < count:
-                raise tarfile.ReadError(f"the shard ends after {delivered} of {count} samples")
-        except (OSError, tarfile.TarError, EOFError) as e:
-            failure = stream.failure(wait=True) if isinstance(stream, _CommandStream) else None
-            reason = failure or reason_of(e)
-            if tries <= retries and not (local and isinstance(e, (tarfile.TarError, EOFError))):
-                sleep(backoff_s * 2 ** (tries - 1))
-                continue
-            if not opened and delivered == 0:
-                raise DataError(f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} "
-                                f"({reason}); data.open_retries = {retries}") from e
-            why = f"truncated or corrupt shard after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})"
-            for off in range(delivered, count):
-                yield (where[0] if off == delivered and where[0] is not None else f"#{off}"), None, None, why
-            return
-        finally:
-            if stream is not None:
-                stream.close()
-
-
-class _WdsEpoch(IterableDataset):
-    """One rank's epoch as whole batches, split over DataLoader workers in contiguous batch ranges.
-
-    The epoch's sample sequence is the shards in a per-epoch permuted order; the rank reads the
-    contiguous range of it that it owns (at most two shards partially), each worker a contiguous piece
-    of that, streamed through a seeded shuffle buffer. The DataLoader interleaves workers round-robin, so
-    the k-th batch of the epoch is the (k // W)-th batch of the worker in role k % W. After a resume at
-    batch k0, DataLoader worker i takes role (i + k0) % W, which keeps that order exactly.
+    The rank reads its contiguous range of the shards' sample sequence (eval positions, padded), each worker a
+    contiguous piece of that. The DataLoader interleaves workers round-robin, so the k-th batch is the (k // W)-th
+    batch of the worker in role k % W. After a start at batch k0, DataLoader worker i takes role (i + k0) % W, which
+    keeps that order exactly.
     """
 
     def __init__(self, loader: "WdsLoader", epoch: int, start_batch: int):
@@ -198,18 +170,13 @@ class _WdsEpoch(IterableDataset):
 
     def _views(self, first_batch: int, last_batch: int) -> list[int]:
         """Sequence positions of the views in batches [first_batch, last_batch) of this rank's range."""
-        ld, s, b = self.loader, self.loader.spec, self.loader.spec.micro_batch_size
-        n = ld.num_samples
-        if not s.train:
-            return [int(p) for p in eval_positions(n, s)[0][first_batch * b: last_batch * b]]
-        r = ld.d.repeated_aug
-        start = s.rank * math.ceil(ld.views_per_rank / r)
-        return [(start + v // r) % n for v in range(first_batch * b, last_batch * b)]
+        s, b = self.loader.spec, self.loader.spec.micro_batch_size
+        return [int(p) for p in eval_positions(self.loader.num_samples, s)[0][first_batch * b: last_batch * b]]
 
     def _read(self, views: list[int]):
         """Stream (jpeg, label) for each view position, in order, reading each needed shard once."""
         ld = self.loader
-        shards = ld.shard_order(self.epoch)
+        shards = ld.shards
         offsets = np.cumsum([0] + [c for _, c in shards])
         segments, seg = [], []
         for p in views:  # split where the positions wrap around the end of the sequence
@@ -244,63 +211,27 @@ class _WdsEpoch(IterableDataset):
         role = (worker + self.start_batch) % nw
         first, last = contiguous_range(len(ld), nw, role)
         stream = self._read(self._views(first, last))
-        if s.train:  # seeded per epoch, rank and role: the same order after a resume
-            stream = _shuffle_buffer(stream, ld.buffer_size, np.random.default_rng([s.seed, self.epoch, s.rank, role]))
         skip = max(0, (self.start_batch - role + nw - 1) // nw)  # batches of this role already consumed
         for j in range(last - first):
-            chunk = [next(stream) for _ in range(b)] if j < last - first - 1 or s.train else list(stream)
+            chunk = [next(stream) for _ in range(b)] if j < last - first - 1 else list(stream)
             if j < skip:
                 continue  # skipped without decoding
             yield self._batch(chunk, role + j * nw)
 
     def _batch(self, chunk: list, k: int) -> Batch:
-        """Batch ``k`` of the epoch from its (shard, key, jpeg, label, reason) items. A sample that could not be
-        read or decoded is replaced by the next good sample of the batch (cyclically), augmented with its own
-        seed: a function of the batch alone, so a rerun and a resume replace it alike."""
+        """Batch ``k`` from its (shard, key, jpeg, label, reason) items; an unreadable sample is replaced by the next
+        good one of the batch (cyclically): a function of the batch alone."""
         s, b = self.loader.spec, self.loader.spec.micro_batch_size
-        # the rank's views are the contiguous range [rank * V, (rank + 1) * V) of the epoch's sequence
-        seeds = view_seeds(s.seed, self.epoch, s.rank * self.loader.views_per_rank + k * b + np.arange(len(chunk)))
-        images, labels, failed = [None] * len(chunk), [None] * len(chunk), {}
-        for i, (url, key, jpg, label, reason) in enumerate(chunk):
-            if reason is None:
-                try:
-                    img = decode_rgb(jpg)
-                except DECODE_ERRORS as e:
-                    reason = f"undecodable image ({reason_of(e)})"
-            if reason is not None:
-                failed[i] = {"shard": url, "key": key, "reason": reason}
-                continue
-            seed_host(int(seeds[i]))
-            images[i], labels[i] = self.loader.transform(img), label
-        for i, record in failed.items():
-            j = next_good(failed, i, len(chunk))
-            if j is None:
-                raise DataError(f"{record['shard']}: no readable sample in batch {k} of epoch {self.epoch} "
-                                f"(key {record['key']}: {record['reason']})")
-            seed_host(int(seeds[i]))
-            images[i], labels[i] = self.loader.transform(decode_rgb(chunk[j][2])), chunk[j][3]
-        on_device = s.train and s.augment_on_device  # the device augments each sample from its seed
-        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long),
-                     torch.from_numpy(seeds.astype(np.int64)) if on_device else None, bad=list(failed.values()))
-
-
-def _shuffle_buffer(items, size: int, rng: np.random.Generator):
-    """webdataset's shuffle: fill a buffer, emit a random element, refill (bounded memory)."""
-    buf = []
-    for item in items:
-        buf.append(item)
-        if len(buf) >= size:
-            k = int(rng.integers(len(buf)))
-            buf[k], buf[-1] = buf[-1], buf[k]
-            yield buf.pop()
-    while buf:
-        k = int(rng.integers(len(buf)))
-        buf[k], buf[-1] = buf[-1], buf[k]
-        yield buf.pop()
+        seeds = view_seeds(s.seed, self.epoch, s.rank * views_per_rank(self.loader.num_samples, s.world_size) + k * b
+                           + np.arange(len(chunk)))
+        images, labels, bad = decode_chunk(chunk, seeds, self.loader.transform, lambda i, failed: next_good(
+            failed, i, len(chunk)), f"batch {k}")
+        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long), bad=bad)
 
 
 class WdsLoader:
-    """WebDataset shards through a torch DataLoader whose workers read contiguous batch ranges."""
+    """WebDataset shards through a torch DataLoader: training from the canonical partitions (the module says how),
+    evaluation in contiguous batch ranges."""
 
     def __init__(self, d: DataConfig, spec: LoaderSpec, buffer_size: int = 2000):
         self.location = d.train_path if spec.train else d.val_path
@@ -319,19 +250,70 @@ class WdsLoader:
         on_device = spec.augment_on_device
         self.transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
                           else build_eval_transform(d, spec.img_size, on_device))
-        self.geometry = EpochGeometry.of(self.num_samples, spec, self.location)
-        self.views_per_rank, self.num_real = self.geometry.views_per_rank, self.geometry.num_real
+        steps = self._layout() if spec.train else None
+        self.geometry = EpochGeometry.of(self.num_samples, spec, self.location, steps)
+        self.num_real = self.geometry.num_real
+
+    def _layout(self) -> int:
+        """The canonical partitions (the module says how); returns the steps of an epoch: the shortest partition's
+        views // v."""
+        s = self.spec
+        self.lanes = lanes_per_group(s.group_size)
+        self.partitions, self.views_per_step = s.groups * self.lanes, s.group_size // self.lanes
+        self.unique = math.ceil(self.num_samples / self.d.repeated_aug)
+        self.partition_buffer = max(1, self.buffer_size // self.lanes)  # a group's lanes share one buffer's memory
+        first = s.first_group * self.lanes
+        self.rank_partitions = list(range(first, first + s.groups // s.world_size * self.lanes))
+        return self.d.repeated_aug * (self.unique // self.partitions) // self.views_per_step
 
     def __len__(self) -> int:
         return self.geometry.num_batches
 
-    def shard_order(self, epoch: int) -> list[tuple[str, int]]:
-        if not self.spec.train:
-            return self.shards
-        return [self.shards[i] for i in epoch_permutation(len(self.shards), self.spec.seed, epoch)]
+    def read_range(self, epoch: int, lo: int, hi: int):
+        """(shard url, key, jpeg, label, reason) of positions [lo, hi) of the epoch's shard-permuted sequence."""
+        order = [self.shards[i] for i in epoch_permutation(len(self.shards), self.spec.seed, epoch)]
+        start = 0
+        for name, count in order:
+            if start < hi and start + count > lo:
+                samples = shard_samples(self.location, name, count, self.d.open_retries, self.d.open_retry_backoff_s)
+                url = shard_url(self.location, name)
+                for off, (key, jpg, label, reason) in enumerate(samples):
+                    if start + off >= hi:
+                        samples.close()
+                        break
+                    if start + off >= lo:
+                        yield url, key, jpg, label, reason
+            start += count
 
     def epoch(self, epoch: int, start_batch: int = 0):
-        workers = min(self.d.num_workers, len(self))
-        loader = DataLoader(_WdsEpoch(self, epoch, start_batch), batch_size=None, pin_memory=self.spec.pin_memory,
-                            **loader_options(workers, self.spec.seed, epoch))
-        yield from limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, self.spec.rank)
+        if not self.spec.train:
+            workers = min(self.d.num_workers, len(self))
+            loader = DataLoader(_EvalEpoch(self, epoch, start_batch), batch_size=None,
+                                pin_memory=self.spec.pin_memory, **loader_options(workers, self.spec.seed, epoch))
+            yield from limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, self.spec.rank)
+            return
+        yield from limit_bad_samples(self._train_batches(epoch, start_batch), self.d.max_bad_samples, epoch,
+                                     self.spec.rank)
+
+    def _train_batches(self, epoch: int, start_batch: int):
+        """The micro-batches from ``start_batch`` on: each step assembled from one item per worker, in order."""
+        s, m = self.spec, self.spec.micro_batch_size
+        first_step, skip = divmod(start_batch, s.accum)
+        workers = min(self.d.num_workers, len(self.rank_partitions))
+        loader = DataLoader(_TrainEpoch(self, epoch, first_step, max(1, workers)), batch_size=None,
+                            **loader_options(workers, s.seed, epoch))
+        items = iterate(loader)
+        try:
+            for step in range(first_step, self.geometry.steps):
+                parts = [next(items) for _ in range(max(1, workers))]  # one per worker, round robin: in order
+                images, labels = torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
+                if s.pin_memory:  # the copy to the GPU overlaps compute; micro-batches are slices of these
+                    images, labels = images.pin_memory(), labels.pin_memory()
+                seeds = torch.cat([p.seeds for p in parts])
+                ids, bad = [i for p in parts for i in p.ids], [r for p in parts for r in p.bad]
+                for j in range(skip if step == first_step else 0, s.accum):
+                    rows = slice(j * m, (j + 1) * m)
+                    yield Batch(images[rows], labels[rows], seeds[rows], bad if j == s.accum - 1 else [],
+                                ids[rows])
+        finally:
+            items.close()

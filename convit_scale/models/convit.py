@@ -15,10 +15,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
+from timm.layers import Mlp, PatchEmbed, trunc_normal_
+from timm.layers import drop_path as timm_drop_path
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
+
+from ..splitmix import draw, keys_of, srl
 
 GpsaImpl = Literal["fast", "reference"]
 
@@ -247,6 +250,30 @@ class MHSA(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
+DROP_PATH_COUNTER = 1 << 40
+"""Drop-path draws of a sample are splitmix64 outputs DROP_PATH_COUNTER + 2 * block + branch of the sample's seed: far
+from the counters its augmentation draws from the same seed (device_augment.py)."""
+
+
+class SeededDropPath(nn.Module):
+    """Stochastic depth per sample (timm's DropPath: keep a sample's branch with probability 1 - p and scale it by
+    1 / (1 - p)), with the keep decisions given (``keep``: (B,), 1 kept / 0 dropped, from each sample's seed; see
+    ``ConViT.drop_path_keep``), so that a sample's masks are the same on any rank and world size. Without them, in
+    training, it draws from the global generator as timm's does; in evaluation it is the identity."""
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        if keep is None:
+            return timm_drop_path(x, self.drop_prob, True)
+        scale = keep.to(x.dtype) / (1.0 - self.drop_prob)  # timm: the 0/1 mask divided by keep_prob, in x's dtype
+        return x * scale.view(-1, *([1] * (x.dim() - 1)))
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + DropPath(Attn(LN(x))), then x + DropPath(MLP(LN(x)))."""
 
@@ -269,13 +296,15 @@ class Block(nn.Module):
             self.attn: GPSA | MHSA = GPSA(dim, num_heads, grid_size, qkv_bias, locality_strength, gpsa_impl)
         else:
             self.attn = MHSA(dim, num_heads, qkv_bias)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path = SeededDropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: (2, B) drop-path decisions of the attention and MLP branches (``ConViT.drop_path_keep``)."""
+        attn_keep, mlp_keep = (None, None) if keep is None else keep.unbind(0)
+        x = x + self.drop_path(self.attn(self.norm1(x)), attn_keep)
+        return x + self.drop_path(self.mlp(self.norm2(x)), mlp_keep)
 
 
 class ConViT(nn.Module):
@@ -401,18 +430,33 @@ class ConViT(nn.Module):
             tokens.append(self.dist_token.expand(batch, -1, -1))
         return torch.cat(tokens, dim=1)  # (B, 1 or 2, D)
 
-    def forward_features(self, x: torch.Tensor, return_layers: bool = False):
+    def drop_path_keep(self, seeds: torch.Tensor) -> torch.Tensor | None:
+        """The drop-path decisions of a batch from its samples' seeds (int64 (B,), on the host): float32
+        (depth, 2, B), 1 where block b keeps the sample's attention (0) or MLP (1) branch, drawn with probability
+        1 - p_b from the sample's seed alone; None when the model drops no path. Computed on the host (a few bytes per
+        sample), so the step moves it to the device with its other per-sample values in one copy."""
+        rates = torch.tensor([blk.drop_path.drop_prob for blk in self.blocks], dtype=torch.float64)
+        if not bool((rates > 0).any()):
+            return None
+        counters = DROP_PATH_COUNTER + torch.arange(2 * len(self.blocks), dtype=torch.int64)
+        u = srl(draw(keys_of(seeds.cpu())[None, :], counters[:, None]), 11).to(torch.float64) * 2.0 ** -53
+        keep = u.view(len(self.blocks), 2, -1) < (1.0 - rates).view(-1, 1, 1)
+        return keep.to(torch.float32)
+
+    def forward_features(self, x: torch.Tensor, return_layers: bool = False, drop_path_keep: torch.Tensor | None = None):
         """(B, C, H, W) -> (B, T, D) after the final norm; with ``return_layers`` also every block's
-        output (patch tokens only, (B, L, D)), for representation analyses."""
+        output (patch tokens only, (B, L, D)), for representation analyses. ``drop_path_keep``: (depth, 2, B) from
+        ``drop_path_keep`` (else, in training, drop-path draws from the global generator)."""
         x = self.patch_embed(x) + self.pos_embed  # (B, L, D)
         layers = []
         for i, blk in enumerate(self.blocks):
             if i == self.local_up_to_layer:  # GPSA only ever sees the L patch tokens
                 x = torch.cat((self._prefix_tokens(x.shape[0]), x), dim=1)  # (B, T, D)
+            keep = None if drop_path_keep is None else drop_path_keep[i]
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)
+                x = checkpoint(blk, x, keep, use_reentrant=False)
             else:
-                x = blk(x)
+                x = blk(x, keep)
             if return_layers:
                 layers.append(x[:, -self.patch_embed.num_patches :])
         x = self.norm(x)
@@ -427,6 +471,6 @@ class ConViT(nn.Module):
             return logits, logits_dist
         return (logits + logits_dist) / 2
 
-    def forward(self, x: torch.Tensor):
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: torch.Tensor, drop_path_keep: torch.Tensor | None = None):
+        return self.forward_head(self.forward_features(x, drop_path_keep=drop_path_keep))
 

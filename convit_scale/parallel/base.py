@@ -42,6 +42,9 @@ class ShardableModel(Protocol):
     def no_weight_decay(self) -> set[str]:
         """Names of parameters trained without weight decay besides biases and norms."""
 
+    def drop_path_keep(self, seeds: torch.Tensor) -> torch.Tensor | None:
+        """The drop-path decisions of a batch from its samples' seeds, for ``forward(x, drop_path_keep=...)``."""
+
 
 class Strategy:
     """Owns the wrapped model and its optimizer; the loop only calls these methods."""
@@ -58,7 +61,7 @@ class Strategy:
                  grad_clip: float | None = None):
         if not isinstance(model, ShardableModel):
             raise TypeError(f"{type(model).__name__} lacks the model contract the strategies rely on "
-                            f"(blocks, set_grad_checkpointing, init_weights, no_weight_decay)")
+                            f"(blocks, set_grad_checkpointing, init_weights, no_weight_decay, drop_path_keep)")
         self.p, self.device, self.world_size, self.grad_clip = p, device, world_size, grad_clip
         self.module = model  # the ConViT itself
         self.wrapped: nn.Module = model  # what forward calls; set by setup()
@@ -76,9 +79,11 @@ class Strategy:
         dtype = torch.bfloat16 if self.p.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, drop_path_keep: torch.Tensor | None = None):
+        """The wrapped model's forward; ``drop_path_keep`` (training: ``module.drop_path_keep`` of the batch's sample
+        seeds, on the device) makes each sample's drop-path masks a function of its seed."""
         with self.autocast():
-            return self.wrapped(x)
+            return self.wrapped(x) if drop_path_keep is None else self.wrapped(x, drop_path_keep=drop_path_keep)
 
     def micro_batch(self, is_last_micro: bool):
         """A context around one micro-batch's forward and backward: where gradients are reduced only on the last
@@ -123,7 +128,9 @@ class Strategy:
     def save(self, directory: Path) -> None:
         raise NotImplementedError
 
-    def load(self, directory: Path) -> None:
+    def load(self, directory: Path, saved_world_size: int) -> None:
+        """Load the state ``save`` wrote into ``directory`` on ``saved_world_size`` ranks (any world size may load
+        it: the strategies reshard)."""
         raise NotImplementedError
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -22,8 +22,8 @@ class DCPStateMixin:
         if self.scaler is not None and torch.distributed.get_rank() == 0:  # the same on every rank
             torch.save(self.scaler.state_dict(), directory / "grad_scaler.pt")
 
-    def load(self, directory: Path) -> None:
-        state = self._state()
+    def load(self, directory: Path, saved_world_size: int | None = None) -> None:
+        state = self._state()  # DCP reshards: any saved world size loads
         dcp.load(state, checkpoint_id=str(directory / "dcp"))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler is not None and (directory / "grad_scaler.pt").is_file():

@@ -55,8 +55,8 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
     def autocast(self):
         return contextlib.nullcontext()  # the MixedPrecisionPolicy casts parameters and inputs
 
-    def forward(self, x):
-        return self.wrapped(x)
+    def forward(self, x, drop_path_keep=None):
+        return self.wrapped(x) if drop_path_keep is None else self.wrapped(x, drop_path_keep=drop_path_keep)
 
     def backward(self, loss, is_last_micro, grad_accum):
         # Accumulate locally; reduce-scatter only on the last micro-batch of the step.

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import shutil
 import types
 from pathlib import Path
 
 import torch
 
+from .. import comm
 from .base import Strategy
 
 
@@ -163,6 +167,31 @@ class _OptimizerGate:
             self.open = True
 
 
+UNIVERSAL = "universal"
+"""The folder of a ZeRO checkpoint that holds its DeepSpeed universal checkpoint, once converted."""
+
+
+def universal_checkpoint(directory: Path) -> Path:
+    """``directory/universal``: DeepSpeed's universal checkpoint of the ZeRO state in ``directory/zero`` (any stage),
+    converted by ``deepspeed.checkpoint.ds_to_universal`` into ``universal.tmp`` and published by an atomic rename, so
+    an interrupted conversion is redone and a finished one is not. The conversion runs in this process
+    (one extraction and one merge worker: no child process from a training rank)."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    final, tmp = directory / UNIVERSAL, directory / (UNIVERSAL + ".tmp")
+    if final.is_dir():
+        return final
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    args = types.SimpleNamespace(input_folder=str(directory / "zero"), output_folder=str(tmp / "zero"),
+                                 num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                 inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # not the run's log
+        ds_to_universal(args)
+    os.replace(tmp, final)
+    return final
+
+
 class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO-1/2/3. The loop decides on the step before DeepSpeed's engine takes it: the finiteness of
     the gradients comes from hooks on every parameter, which see each micro-batch's gradients as autograd computes
@@ -203,10 +232,10 @@ class ZeroStrategy(Strategy):
     def autocast(self):
         return contextlib.nullcontext()  # DeepSpeed holds bf16/fp16 parameters itself
 
-    def forward(self, x):
+    def forward(self, x, drop_path_keep=None):
         if self.p.precision != "fp32":
             x = x.to(torch.bfloat16 if self.p.precision == "bf16" else torch.float16)
-        return self._engine(x)
+        return self._engine(x) if drop_path_keep is None else self._engine(x, drop_path_keep=drop_path_keep)
 
     def backward(self, loss, is_last_micro, grad_accum):
         self._engine.set_gradient_accumulation_boundary(is_last_micro)
@@ -243,10 +272,36 @@ class ZeroStrategy(Strategy):
     def save(self, directory: Path) -> None:
         self._engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
 
-    def load(self, directory: Path) -> None:
-        path, _ = self._engine.load_checkpoint(str(directory), tag="zero", load_lr_scheduler_states=False)
+    def load(self, directory: Path, saved_world_size: int | None = None) -> None:
+        """DeepSpeed's checkpoint as saved, or, written on another number of ranks, through DeepSpeed's universal
+        checkpoint (``universal_checkpoint``: converted once, by rank 0) partitioned anew for this world size."""
+        tag, folder = "zero", directory
+        if saved_world_size is not None and saved_world_size != self.world_size:
+            error = None
+            if comm.rank() == 0:
+                try:
+                    universal_checkpoint(directory)
+                except Exception as e:  # noqa: BLE001 - every rank raises it below, not only rank 0
+                    error = f"{directory}: DeepSpeed's universal checkpoint conversion failed: {type(e).__name__}: {e}"
+            error = comm.broadcast_object(error)
+            if error is not None:
+                raise RuntimeError(error)
+            folder = directory / UNIVERSAL
+        config = self._engine._config  # read by load_checkpoint only: set for this load, as the "checkpoint" section's
+        before, config.load_universal_checkpoint = config.load_universal_checkpoint, folder != directory  # load_universal
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer over fp32 partitions
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        try:
+            path, _ = self._engine.load_checkpoint(str(folder), tag=tag, load_lr_scheduler_states=False)
+        finally:
+            config.load_universal_checkpoint = before
         if path is None:
-            raise FileNotFoundError(f"{directory}: no DeepSpeed checkpoint")
+            raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint")
+        for group, values in zip(inner.param_groups, hyper):  # the recipe's (the same recipe resumes): ZeRO-3's
+            group.update(values)  # universal load gives every group the first one's, weight decay included
+        for state in inner.state.values():  # and one step tensor to every sub-group, which each sub-group's Adam
+            if torch.is_tensor(state.get("step")):  # step would then advance: a step counted twice, Adam's bias
+                state["step"] = state["step"].clone()  # correction off. One copy each.
 
     def full_state_dict(self):
         if self._engine.zero_optimization_stage() == 3:

@@ -118,7 +118,8 @@ def recipe_differences(saved: dict, current: dict) -> list[str]:
 
 def check_compatible(path: Path, meta: dict, config: dict, world_size: int | None = None) -> None:
     """Refuse a checkpoint written by another run: any field of the resolved recipe outside ``RESUMABLE`` that
-    differs is named with both values. DeepSpeed's ZeRO state resumes on its own world size only."""
+    differs is named with both values. Any world size resumes any checkpoint (DCP reshards; ZeRO goes through
+    DeepSpeed's universal checkpoint), but ZeRO-Offload state on another world size."""
     saved = meta.get("config")
     if saved is None:  # a checkpoint of an older release: the three fields it recorded
         saved = {"parallel": {"strategy": meta.get("strategy")}, "model": {"name": meta.get("model")},
@@ -131,12 +132,13 @@ def check_compatible(path: Path, meta: dict, config: dict, world_size: int | Non
             f"checkpoint {path} belongs to another run: its recipe differs in {'; '.join(diff[:3])}{more}; resume "
             f"with the same recipe (only {', '.join(RESUMABLE[:6])}, ... may change: checkpoint.RESUMABLE), or start "
             f"a new run in another run.output_dir")
-    strategy = str(config.get("parallel", {}).get("strategy", ""))
-    if world_size is not None and strategy.startswith("zero") and meta.get("world_size") != world_size:
+    parallel = config.get("parallel", {})
+    if world_size is not None and str(parallel.get("strategy", "")).startswith("zero") and parallel.get(
+            "zero_offload") and meta.get("world_size") != world_size:
         raise CheckpointIncompatible(
-            f"checkpoint {path} holds DeepSpeed ZeRO state partitioned over {meta.get('world_size')} ranks, the run has "
-            f"{world_size}: DeepSpeed does not repartition it; resume on {meta.get('world_size')} ranks (or use fsdp2, "
-            f"whose checkpoints reshard)")
+            f"checkpoint {path} holds ZeRO-Offload state (optimizer on the host) of {meta.get('world_size')} ranks, the "
+            f"run has {world_size}: its conversion to DeepSpeed's universal checkpoint is not supported here; resume "
+            f"on {meta.get('world_size')} ranks")
 
 
 def restarted() -> bool:
@@ -274,7 +276,7 @@ def save_best(root: Path, state: dict | None, meta: dict) -> Path:
 
 def load_checkpoint(path: Path, strategy) -> dict:
     meta = json.loads((path / "meta.json").read_text())
-    strategy.load(path)
+    strategy.load(path, meta.get("world_size"))
     rng_file = path / f"rng_rank{comm.rank()}.pt"
     if rng_file.is_file() and meta.get("world_size") == comm.world_size():
         set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy's state is a tuple

@@ -142,7 +142,8 @@ def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> 
 
 def check_world(cfg, world_size: int) -> tuple[int, int]:
     """The checks that need the world size, run by the launching process before any rank starts and again by
-    every rank at set-up: the strategy, the global batch split, an even micro-batch for Mixup/CutMix.
+    every rank at set-up: the strategy, the canonical groups (each rank takes whole groups: the run, and every
+    checkpoint of it, are then the same at any allowed world size), the global batch split into whole groups.
     Returns (micro_batch, grad_accumulation)."""
     if cfg.parallel.strategy == "none" and world_size > 1:
         raise ValueError(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
@@ -151,8 +152,13 @@ def check_world(cfg, world_size: int) -> tuple[int, int]:
             and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
         raise ValueError("parallel.precision = 'fp16' with DeepSpeed needs a GPU or a CPU with fp16 support "
                          "(AVX512-FP16/AMX), which this one lacks: use bf16 or fp32 here")
-    micro, accum = solve_batch(cfg.data.global_batch_size, world_size, cfg.data.micro_batch_size)
-    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
-        raise ValueError(f"Mixup/CutMix need an even micro-batch; {micro} per rank here (data.micro_batch_size, "
-                         f"global batch {cfg.data.global_batch_size} over {world_size} ranks)")
+    batch, groups = cfg.data.global_batch_size, cfg.data.groups
+    problem = cfg.data.world_size_problem(world_size)
+    if problem is not None:
+        raise ValueError(problem)
+    micro, accum = solve_batch(batch, world_size, cfg.data.micro_batch_size)
+    if micro % (batch // groups):
+        raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of "
+                         f"{batch // groups} images (global batch {batch} in data.canonical_groups = {groups}): "
+                         f"choose a multiple of {batch // groups} that divides {batch // world_size}")
     return micro, accum

@@ -44,6 +44,9 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
         run.metrics.write(rec)
         m.last_log_time, m.images_since_log, m.steps_since_log = now, 0, 0
         progress.log_step(rec, run.total_steps)
+    if cfg.log.debug_samples:  # the global batch in canonical order: ranks hold consecutive groups
+        ids = [i for rank_ids in comm.all_gather_object(res.sample_ids) for i in rank_ids]
+        run.metrics.write({"kind": "samples", "step": state.step, "epoch": state.epoch, "ids": ids})
     if cfg.log.debug_digest:
         digests = comm.all_gather_object(state_digest(run.strategy.optimizer_tensors()))
         run.metrics.write({"kind": "digest", "step": state.step, "bad": res.bad, "state_digest": digests})

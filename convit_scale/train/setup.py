@@ -15,7 +15,7 @@ from ..config import Config, model_options
 from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device
 from ..data.device_augment import config_of as device_augment_config
-from ..data.transforms import build_mixup
+from ..data.mixup import GroupMixup
 from ..metrics import MetricsWriter, wandb_options
 from ..models import MODELS, create_model, load_pretrained
 from ..models.weights import check_state_dict, convert_state_dict, read_state_dict
@@ -51,7 +51,8 @@ class Run:
     strategy: Strategy
     criterion: Callable[[torch.Tensor, torch.Tensor | tuple, torch.Tensor], torch.Tensor]
     """(images, logits, targets) -> loss; the images feed a distillation teacher."""
-    mixup: Callable | None
+    mixup: GroupMixup | None
+    """Mixup/CutMix per canonical group (None when both are off)."""
     metrics: MetricsWriter
     stop: StopSignal
     faults: Faults | None = None
@@ -94,13 +95,21 @@ def _criterion(cfg: Config, device: torch.device):
     return DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision), teacher
 
 
+def _mixup(cfg: Config) -> GroupMixup | None:
+    d = cfg.data
+    if d.mixup <= 0 and d.cutmix <= 0:
+        return None
+    return GroupMixup(d, cfg.model.num_classes, d.global_batch_size // d.groups, d.groups, cfg.run.seed)
+
+
 def _loaders(cfg: Config, ctx: DistContext, micro: int) -> tuple[Loader, Loader | None]:
     img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
     pin, on_device = ctx.device.type == "cuda", augment_on_device(cfg.data, ctx.device)
 
     def spec(split: str, batch: int) -> LoaderSpec:
         return LoaderSpec(split, img_size, batch, ctx.world_size, ctx.rank, cfg.run.seed, pin_memory=pin,
-                          augment_on_device=on_device)
+                          augment_on_device=on_device, global_batch_size=cfg.data.global_batch_size,
+                          canonical_groups=cfg.data.groups)
 
     train_loader = build_loader(cfg.data, spec("train", micro))
     val_loader = build_loader(cfg.data, spec("val", cfg.data.eval_batch_size)) if cfg.data.val_path else None
@@ -164,7 +173,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
                  f"resumed step {state.step} from {meta['world_size']} rank(s) on {ctx.world_size}")
     on_device = train_loader.spec.augment_on_device
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
-              criterion, build_mixup(cfg.data, cfg.model.num_classes),
+              criterion, _mixup(cfg),
               MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step,
                             wandb=wandb_options(cfg.log, cfg.run.output_dir, cfg.to_dict())), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher,

@@ -31,7 +31,8 @@ class TrainState:
     """Optimizer steps taken, skipped ones included."""
     epoch: int = 0
     batch_in_epoch: int = 0
-    """Micro-batches of this epoch already consumed on each rank."""
+    """Micro-batches of this epoch already consumed on each rank (at a step's end: the step in the epoch x the
+    accumulation)."""
     skipped_steps: int = 0
     """Steps discarded for a non-finite loss or gradient norm, over the whole run."""
     consecutive_bad: int = 0
@@ -54,8 +55,9 @@ class TrainState:
 
     @classmethod
     def from_meta(cls, meta: dict, accum: int, world_size: int) -> "TrainState":
-        # The same world size continues at the same micro-batch; another one at the same optimizer step.
-        same_world = meta["world_size"] == world_size
+        """The state a checkpoint recorded, on ``world_size`` ranks of ``accum`` micro-batches a step. The position in
+        the epoch is global (the step in the epoch: the canonical layout makes it the same samples at any world
+        size), so any world size continues at the same optimizer step."""
         return cls(step=meta["step"], epoch=meta["epoch"], skipped_steps=meta.get("skipped_steps", 0),
                    best=meta.get("best"), consecutive_bad=meta.get("consecutive_bad", 0),
-                   batch_in_epoch=meta["batch_in_epoch"] if same_world else meta["step_in_epoch"] * accum)
+                   batch_in_epoch=meta["step_in_epoch"] * accum)

@@ -12,7 +12,7 @@ import torch
 
 from .. import comm
 from ..data import Batch, DataError
-from ..data.device_augment import augment_batch
+from ..data.device_augment import augment_batch, to_device
 from ..data.order import step_seed
 from ..data.transforms import seed_all
 from .memory import tensor_memory_mb
@@ -66,6 +66,8 @@ class StepResult:
     lr: float
     bad_samples: list = field(default_factory=list)
     """Every rank's replaced samples of the step (``Batch.bad``)."""
+    sample_ids: list = field(default_factory=list)
+    """This rank's samples of the step, in canonical order (``Batch.ids``; for ``log.debug_samples``)."""
 
 
 def steps_of_epoch(run: Run, state: TrainState):
@@ -84,12 +86,13 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     once: a bad step (non-finite loss or gradient) is skipped on every rank alike before any update, and the
     replaced samples are gathered only when some rank has any."""
     cfg, ctx, strategy = run.cfg, run.ctx, run.strategy
-    seed_all(step_seed(cfg.run.seed, state.epoch, state.step, ctx.rank))  # Mixup, drop-path
+    seed_all(step_seed(cfg.run.seed, state.epoch, state.step))  # the same on every rank: nothing depends on the rank
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
-    stats, bad_samples, taken = StepStats(ctx.device), [], 0
+    stats, bad_samples, ids, taken = StepStats(ctx.device), [], [], 0
     for m, batch in enumerate(micro_batches):
         bad_samples.extend(batch.bad)
+        ids.extend(batch.ids or ())
         with strategy.micro_batch(is_last_micro=m == run.accum - 1):
             _micro_step(run, state, batch, m, stats)
         state.batch_in_epoch, taken = state.batch_in_epoch + 1, m + 1
@@ -116,19 +119,33 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     state.step += 1
     bad = bool(totals.bad_loss or bad_grad)
     return StepResult(totals.loss_sum / (run.accum * ctx.world_size), None if bad else norm, bad, totals.stop > 0,
-                      lr, bad_samples)
+                      lr, bad_samples, ids)
+
+
+def _per_sample(run: Run, state: TrainState, batch: Batch, m: int, size: tuple[int, int]) -> tuple:
+    """(drop-path decisions, Mixup plan) of micro-batch ``m`` on the device, or None each: drawn on the host from the
+    samples' seeds and the step's canonical groups, moved in one asynchronous copy per dtype."""
+    keep = None if batch.seeds is None else run.strategy.module.drop_path_keep(batch.seeds)
+    plan = []
+    if run.mixup is not None:
+        spec = run.train_loader.spec
+        count = len(batch.labels) // spec.group_size  # whole groups: the micro-batch is a multiple of g
+        plan = run.mixup.plan(state.epoch, state.step, spec.first_group + m * count, count, *size)
+    moved = to_device(([] if keep is None else [keep]) + plan, run.ctx.device)
+    return (None if keep is None else moved[0]), (moved[-len(plan):] if plan else None)
 
 
 def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepStats) -> None:
     """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
     device = run.ctx.device
     x, y = batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+    keep, plan = _per_sample(run, state, batch, m, tuple(x.shape[-2:]))
     if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
         x = augment_batch(x, batch.seeds, run.device_augment)
     target = y
-    if run.mixup is not None:
-        x, target = run.mixup(x, y)
-    out = run.strategy.forward(x)  # a (class, distillation) pair with a distillation token
+    if plan is not None:  # Mixup/CutMix per canonical group: the same pairs and draws at any world size
+        x, target = run.mixup.apply(x, y, plan)
+    out = run.strategy.forward(x, drop_path_keep=keep)  # a (class, distillation) pair with a distillation token
     logits = tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
     loss = run.criterion(x, logits, target)
     if run.faults is not None:

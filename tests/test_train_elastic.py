@@ -1,0 +1,145 @@
+"""Elastic resume: a run stopped on some number of ranks and resumed on another continues the same run, sample for
+sample, with RandAugment, Mixup, CutMix and drop-path on, in every format (FSDP2) and through DeepSpeed's universal
+checkpoint (ZeRO-2, ZeRO-3); a world size that cannot take whole canonical groups is refused before any rank starts.
+
+One 2-rank launch in all (``elastic``); the 1-rank runs, and the resumes on 1 rank, run in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, losses, records, run_many, tiny_recipe, train_here
+from convit_scale.config import load_config
+
+STOP, TOTAL = 3, 13
+"""Stopped after step 3 (mid-epoch: 1000 images make 31 steps of 32), compared over the 10 steps after it."""
+FORMATS = ("imagefolder", "wds", "ffcv")
+ZERO = ("zero2", "zero3")
+
+
+def _recipe(tmp, name: str, fmt: str, path, steps: int, strategy: str = "fsdp2"):
+    """The tiny recipe with the paper's augmentation (RandAugment, Mixup 0.8, CutMix 1.0: the defaults) and
+    drop-path 0.1 (tiny_recipe's), 16 canonical groups of 2, every step's global batch logged as sample ids."""
+    return tiny_recipe(tmp / f"{name}.yaml", fmt, path, tmp / name, parallel={"strategy": strategy},
+                       data={"val_path": "", "num_workers": 2 if fmt == "wds" else 0},
+                       schedule={"max_steps": steps}, checkpoint={"every_steps": STOP, "keep_last": 10},
+                       log={"debug_samples": True})
+
+
+@pytest.fixture(scope="module")
+def elastic(fm_tree, fm_wds, fm_ffcv, tmp_path_factory):
+    """Every run of this file: {name: (output folder, exit status, printed log of an in-process resume)}. One 2-rank
+    launch: the 2-rank runs (uninterrupted, and stopped at STOP) and the resumes on 2 ranks of the 1-rank runs
+    stopped at STOP before it, in this process; the resumes on 1 rank of the stopped 2-rank runs after it."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    data = {"imagefolder": fm_tree, "wds": fm_wds, "ffcv": fm_ffcv}
+    cases = [(fmt, "fsdp2") for fmt in FORMATS] + [("imagefolder", z) for z in ZERO]
+    runs = {f"part1-{fmt}-fsdp2": (train_here(_recipe(tmp, f"part1-{fmt}-fsdp2", fmt, data[fmt], STOP)), "")
+            for fmt in FORMATS}  # 1 rank, stopped at STOP
+    two = [{"recipe": _recipe(tmp, f"{kind}2-{fmt}-{strategy}", fmt, data[fmt], steps, strategy)}
+           for fmt, strategy in cases for kind, steps in (("full", TOTAL), ("part", STOP))]
+    two += [{"recipe": tmp / f"part1-{fmt}-fsdp2.yaml", "overrides": [f"schedule.max_steps={TOTAL}"], "on": 2}
+            for fmt in FORMATS]  # 1 -> 2
+    for r, status in zip(two, run_many(two, tmp / "launch")):
+        runs[r["recipe"].stem + ("-on2" if "on" in r else "")] = (status, "")
+    for fmt, strategy in cases:  # 2 -> 1, in this process (a requeue's new process would do the same)
+        name, printed = f"part2-{fmt}-{strategy}", io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            status = train_here(tmp / f"{name}.yaml", f"schedule.max_steps={TOTAL}")
+        runs[f"{name}-on1"] = (status, printed.getvalue())
+    return {name: (tmp / name.removesuffix("-on1").removesuffix("-on2"), status, printed)
+            for name, (status, printed) in runs.items()}
+
+
+def _assert_continues(resumed, full):
+    """The resumed run's steps after STOP: per-step losses within 1e-5 (relative) of the uninterrupted run's, and
+    every step's global batch the same sample ids, in the same canonical order."""
+    got, want = losses(resumed), losses(full)
+    assert len(got) == len(want) == TOTAL
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} resumed, {b} uninterrupted"
+    ids = [(r["step"], r["ids"]) for r in records(resumed, "samples")]
+    assert ids == [(r["step"], r["ids"]) for r in records(full, "samples")] and len(ids) == TOTAL
+    assert all(len(batch) == 32 and len(set(batch)) == 32 for _, batch in ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fsdp2_two_ranks_stopped_mid_epoch_resume_on_one(elastic, fmt):
+    for name in (f"full2-{fmt}-fsdp2", f"part2-{fmt}-fsdp2", f"part2-{fmt}-fsdp2-on1"):
+        assert elastic[name][1] == 0, name
+    out, _, printed = elastic[f"part2-{fmt}-fsdp2-on1"]
+    assert f"resumed step {STOP} from 2 rank(s) on 1" in printed
+    _assert_continues(out, elastic[f"full2-{fmt}-fsdp2"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fsdp2_one_rank_stopped_mid_epoch_resumes_on_two(elastic, fmt):
+    """Compared with the uninterrupted run on 2 ranks: the run is the recipe's, whatever the world size (1 rank up to
+    STOP, 2 after it, give the 2-rank run's samples and losses)."""
+    for name in (f"full2-{fmt}-fsdp2", f"part1-{fmt}-fsdp2", f"part1-{fmt}-fsdp2-on2"):
+        assert elastic[name][1] == 0, name
+    _assert_continues(elastic[f"part1-{fmt}-fsdp2-on2"][0], elastic[f"full2-{fmt}-fsdp2"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ZERO)
+def test_zero_two_ranks_resume_on_one_through_the_universal_checkpoint(elastic, strategy):
+    for name in (f"full2-imagefolder-{strategy}", f"part2-imagefolder-{strategy}",
+                 f"part2-imagefolder-{strategy}-on1"):
+        assert elastic[name][1] == 0, name
+    out, _, printed = elastic[f"part2-imagefolder-{strategy}-on1"]
+    assert f"resumed step {STOP} from 2 rank(s) on 1" in printed
+    checkpoint = out / "checkpoints" / f"step_{STOP:09d}"
+    assert (checkpoint / "universal").is_dir() and not (checkpoint / "universal.tmp").exists()  # converted once
+    _assert_continues(out, elastic[f"full2-imagefolder-{strategy}"][0])
+
+
+def test_a_world_size_that_cannot_take_whole_canonical_groups_is_refused_before_any_rank(fm_tree, tmp_path, capsys):
+    from convit_scale.cli import main
+
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out")  # batch 32: 16 groups of 2
+    assert main(["train", "--recipe", str(r), "--nproc-per-node", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: 3 ranks cannot share the 16 canonical groups of "
+                                               "data.global_batch_size = 32") and err[0].endswith(
+        "allowed world sizes: 1, 2, 4, 8, 16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_slurm_job_given_a_node_count_its_groups_do_not_allow_is_refused_before_srun(tmp_path):
+    """``sbatch --nodes=2-4 slurm/convit_b_plus.sh`` started on 3 nodes of 8: 24 ranks cannot share ConViT-B+'s 32
+    canonical groups; the batch shell says so in one line and exits 2 before any srun (no Slurm needed to see it)."""
+    env = {**os.environ, "RECIPE": str(REPO / "recipes/table1/convit_base_plus.yaml"), "OUTPUT_DIR": str(tmp_path / "run"),
+           "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "8",
+           "SITE_SCRIPT": str(tmp_path / "site.sh")}
+    (tmp_path / "site.sh").write_text("")
+    res = subprocess.run(["bash", str(REPO / "slurm" / "launch.sh")], capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=120)
+    assert res.returncode == 2, res
+    assert res.stderr.strip() == ("error: 24 ranks cannot share the 32 canonical groups of data.global_batch_size = 512 "
+                                  "(data.canonical_groups = 32; each rank takes whole groups); allowed world sizes: 1, "
+                                  "2, 4, 8, 16, 32")
+    assert "== nodes 3, tasks/GPUs per node 8" in res.stdout and not (tmp_path / "run").exists()
+
+
+JOB_SCRIPTS = sorted(p for p in (REPO / "slurm").glob("*.sh") if "RECIPE=${RECIPE:-" in p.read_text())
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda p: p.stem)
+def test_every_slurm_script_runs_its_recipe_on_its_own_gpus(script):
+    """The job shape each script asks for is a world size its recipe allows (its ranks take whole canonical groups)."""
+    text = script.read_text()
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M)
+    tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M)
+    cfg = load_config(REPO / re.search(r"RECIPE=\$\{RECIPE:-([^}]+)\}", text).group(1), [])
+    assert cfg.data.world_size_problem(int(nodes.group(1)) * int(tasks.group(1))) is None
