@@ -88,7 +88,11 @@ def test_fsdp2_one_rank_stopped_mid_epoch_resumes_on_two(elastic, fmt):
     STOP, 2 after it, give the 2-rank run's samples and losses)."""
     for name in (f"full2-{fmt}-fsdp2", f"part1-{fmt}-fsdp2", f"part1-{fmt}-fsdp2-on2"):
         assert elastic[name][1] == 0, name
-    _assert_continues(elastic[f"part1-{fmt}-fsdp2-on2"][0], elastic[f"full2-{fmt}-fsdp2"][0])
+    out = elastic[f"part1-{fmt}-fsdp2-on2"][0]
+    launch_log = (out.parent / "launch" / "output.txt").read_text()
+    assert f"resumed from {out / 'checkpoints' / f'step_{STOP:09d}'} at step {STOP}" in launch_log
+    assert f"resumed step {STOP} from 1 rank(s) on 2" in launch_log
+    _assert_continues(out, elastic[f"full2-{fmt}-fsdp2"][0])
 
 
 @pytest.mark.slow
