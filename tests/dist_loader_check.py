@@ -1,4 +1,8 @@
-"""Run under torchrun: one epoch (or a resumed part) of a loader per rank, results to JSON per rank."""
+"""Run under torchrun: one epoch (or a resumed part) of a loader per rank, results to JSON per rank, for each
+FORMAT=PATH=OUT given (one launch for all of them).
+
+    dist_loader_check.py WORKERS REPEATS FORMAT=PATH=OUT [FORMAT=PATH=OUT ...]
+"""
 
 import hashlib
 import json
@@ -12,7 +16,6 @@ from convit_scale.data import LoaderSpec, build_loader
 
 
 def main(fmt: str, path: str, out: str, workers: int, repeats: int) -> None:
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     d = DataConfig(format=fmt, train_path=path, val_path=path, num_workers=workers, repeated_aug=repeats)
     result = {}
@@ -31,7 +34,6 @@ def main(fmt: str, path: str, out: str, workers: int, repeats: int) -> None:
             result["resumed"] = [y.tolist() for _, y in part]
             result["resumed_images"] = [_digest(x) for x, _ in part]
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
 def _digest(x) -> str:
@@ -40,4 +42,8 @@ def _digest(x) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    dist.init_process_group("gloo")
+    for case in sys.argv[3:]:
+        main(*case.split("="), int(sys.argv[1]), int(sys.argv[2]))
+        dist.barrier()
+    dist.destroy_process_group()

@@ -206,15 +206,26 @@ def test_wds_url_locations_stream_through_pipe(fm_wds):
     assert x.shape == (16, 3, 32, 32)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["wds", "ffcv"])
-def test_two_ranks_two_workers_equal_batches_and_coverage(fmt, fm_wds, fm_ffcv, tmp_path):
-    path = fm_wds if fmt == "wds" else fm_ffcv
-    manifest = json.loads((path / "manifest.json").read_text())
-    cmd = torchrun_cmd(2, str(REPO / "tests" / "dist_loader_check.py"), fmt, str(path), str(tmp_path), "2", "1")
+@pytest.fixture(scope="module")
+def two_rank_loaders(fm_wds, fm_ffcv, tmp_path_factory):
+    """Both formats' loaders on 2 ranks of 2 workers each, in one launch: {format: (data folder, results folder)}."""
+    tmp = tmp_path_factory.mktemp("two_rank_loaders")
+    cases = {"wds": (fm_wds, tmp / "wds"), "ffcv": (fm_ffcv, tmp / "ffcv")}
+    for _, out in cases.values():
+        out.mkdir()
+    cmd = torchrun_cmd(2, str(REPO / "tests" / "dist_loader_check.py"), "2", "1",
+                       *(f"{fmt}={path}={out}" for fmt, (path, out) in cases.items()))
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["wds", "ffcv"])
+def test_two_ranks_two_workers_equal_batches_and_coverage(fmt, two_rank_loaders):
+    path, out = two_rank_loaders[fmt]
+    manifest = json.loads((path / "manifest.json").read_text())
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for split in ("train", "val"):
         want = collections.Counter({int(k): v for k, v in manifest["splits"][split]["per_class"].items()})
         for epoch in (0, 1):

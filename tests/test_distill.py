@@ -57,8 +57,9 @@ def _predictions(model, batches):
         return torch.cat([model(x).argmax(1) for x, _ in batches])
 
 
-SOFT = ["distill.type=soft", "distill.tau=1.0", "distill.alpha=1.0", "schedule.epochs=4"]
-"""DeiT's soft term averages over classes too (a tenth of a cross-entropy here): the teacher alone."""
+SOFT = ["distill.type=soft", "distill.tau=1.0", "distill.alpha=1.0"]
+"""DeiT's soft term averages over classes too (a tenth of a cross-entropy here): the teacher alone (after 4 epochs
+the student agreed with the teacher on 80% of the images, the undistilled one on 2-5%)."""
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +85,7 @@ def distill_runs(fm_wds, teacher_file, tmp_path_factory):
     add("zero3", "distilled", max_steps=30)
     add("zero3", "resumed", max_steps=15)
     add("zero3", "resumed", ["schedule.max_steps=30"], max_steps=15)
-    add("ddp", "plain", SOFT, distill=False)
-    add("ddp", "soft", SOFT)
+    add("ddp", "soft", SOFT)  # against FSDP2's plain run: the strategy changes nothing that is compared
     assert run_many(plan, tmp / "plan") == [0] * len(plan)
     return folders
 
@@ -194,8 +194,8 @@ def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, dist
     from convit_scale.analysis.report import eval_batches
     from convit_scale.trained import load_trained_model
 
-    students = {name: load_trained_model(records(distill_runs["ddp", name], "end")[0]["checkpoint"])
-                for name in ("plain", "soft")}
+    students = {name: load_trained_model(records(distill_runs[strategy, name], "end")[0]["checkpoint"])
+                for strategy, name in (("fsdp2", "plain"), ("ddp", "soft"))}
     batches = eval_batches(str(fm_wds), "wds", 16, 200)
     teacher = timm.create_model(TEACHER, num_classes=10)
     teacher.load_state_dict(load_file(str(teacher_file)))
