@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slurm_cluster import LocalSlurm, missing_requirements
 
 from convit_scale.metrics import read_records
 
@@ -145,3 +146,15 @@ def records(out: Path, kind: str = "train") -> list[dict]:
 
 def losses(out: Path) -> list[float]:
     return [r["loss"] for r in records(out)]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A local Slurm cluster (tests/slurm_cluster.py) for the module's jobs, 2 CPUs per node (the machine's 2 cores),
+    so that a job can hold more than one CPU per rank."""
+    why = missing_requirements()
+    if why:
+        pytest.fail(f"cannot start the local Slurm cluster: {why}")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2).start()
+    yield cluster
+    cluster.stop()

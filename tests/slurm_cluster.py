@@ -16,6 +16,9 @@ import subprocess
 import time
 from pathlib import Path
 
+CPU_SBATCH = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=15"]
+"""CPU stand-ins for the job scripts' GPU settings: 1 task and 1 (count-only) GPU per node, 1 CPU."""
+
 
 def _free_ports(n: int) -> list[int]:
     socks, ports = [], []

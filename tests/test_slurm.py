@@ -8,24 +8,9 @@ import time
 import pytest
 
 from conftest import REPO, records, tiny_recipe
-from slurm_cluster import LocalSlurm, missing_requirements
+from slurm_cluster import CPU_SBATCH
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
-# CPU stand-ins for the scripts' GPU settings: 1 task and 1 (count-only) GPU per node, 1 CPU.
-CPU_SBATCH = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=15"]
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    why = missing_requirements()
-    if why:
-        pytest.fail(f"cannot start the local Slurm cluster: {why}")
-    # 2 CPUs per node (the machine's 2 cores), so a job can hold more than one CPU per rank.
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2).start()
-    yield cluster
-    cluster.stop()
-
 
 def _env(recipe, out, data, **extra):
     # All "nodes" share this host: rendezvous on loopback (the node names do not resolve here).

@@ -10,20 +10,9 @@ import subprocess
 import pytest
 
 from conftest import REPO, records, tiny_recipe
-from slurm_cluster import LocalSlurm, missing_requirements
+from slurm_cluster import CPU_SBATCH
 
-CPU_SBATCH = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=15"]
 VENV_PY = os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    why = missing_requirements()
-    if why:
-        pytest.fail(f"cannot start the local Slurm cluster: {why}")
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2).start()
-    yield cluster
-    cluster.stop()
 
 
 def _bash(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
