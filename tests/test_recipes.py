@@ -103,20 +103,21 @@ def test_subset_recipes_evaluate_analyse_and_checkpoint_every_1_over_f():
 
 
 APPENDIX_ALPHA = (0.0, 0.5, 1.0, 2.0, 5.0)
-APPENDIX_GPSA = (0, 1, 3, 6, 10)
+APPENDIX_GPSA = (0, 1, 3, 6, 9, 10)
 
 
 def test_appendix_100_class_sweeps():
-    """Figure 8a (locality strength at 10 GPSA layers) and Figure 12 (GPSA layers at strength 1): ConViT-S on the
-    first 100 classes, 300 epochs, the DeiT recipe."""
+    """Figure 8a (locality strength at 10 GPSA layers) and Figure 12 (GPSA layers at strength 1): ConViT-S+ on the
+    first 100 classes, 300 epochs, the "+" models' DeiT recipe."""
     files = sorted((RECIPES / "appendix").glob("*.yaml"))
     assert len(files) == len(APPENDIX_ALPHA) + len(APPENDIX_GPSA)
     seen = set()
     for f in files:
         cfg = load_config(f)
         m = cfg.model
-        assert (m.name, m.num_classes, cfg.schedule.epochs, cfg.paper.top1) == ("convit_small", 100, 300, None)
-        assert f.read_text().startswith("# Appendix, Figure") and cfg.paper.table in ("Fig. 8a", "Fig. 12")
+        assert (m.name, m.num_classes, cfg.schedule.epochs, cfg.paper.top1) == ("convit_small_plus", 100, 300, None)
+        heading = {"Fig. 8a": "# Section 4, Figure 8a", "Fig. 12": "# Appendix C, Figure 12"}[cfg.paper.table]
+        assert f.read_text().startswith(heading) and f.stem.startswith("convit_small_plus_100cls_")
         seen.add((m.locality_strength, m.local_up_to_layer))
         _deit_recipe(cfg)
     assert seen == {(a, 10) for a in APPENDIX_ALPHA} | {(1.0, n) for n in APPENDIX_GPSA}
