@@ -68,14 +68,14 @@ from .parallel.zero import deepspeed_config, zero_sizes
 IMAGENET_TRAIN = 1_281_167
 
 LOADER_CPU_MS_PER_IMAGE = {
-    ("ffcv", "cpu"): 4.93, ("ffcv", "device"): 1.11,
-    ("wds", "cpu"): 7.33, ("wds", "device"): 4.30,
-    ("imagefolder", "cpu"): 6.35, ("imagefolder", "device"): 4.28,
+    ("ffcv", "cpu"): 8.13, ("ffcv", "device"): 3.75,
+    ("wds", "cpu"): 8.26, ("wds", "device"): 4.83,
+    ("imagefolder", "cpu"): 7.92, ("imagefolder", "device"): 4.46,
 }
 """CPU milliseconds per training image of one rank's loader (all its workers), full DeiT recipe at 224, by
 (data.format, where the augmentation after the crop runs): ``cpu_ms_per_image`` at 1 worker from
 ``convit-scale bench data --rounds 3 --seconds 5 --device cpu --out runs/bench`` (BENCHMARKS.md, "Data loading";
-2 shared x86-64 cores, 500x375 JPEGs; the .beton holds them at a 384-pixel max side)."""
+2 shared x86-64 cores, 500x375 JPEGs; FFCV with the source JPEGs kept, as ``prep ffcv`` writes them)."""
 
 NCCL_RING_LATENCY_US = {"base": 8.4, "nvlink_step": 3.4, "net_step": 9.6}
 """NCCL's model of a ring collective's latency, Simple protocol (src/graph/tuning.cc: baseLat, hwLat): a base, plus
