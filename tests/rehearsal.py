@@ -7,9 +7,13 @@ count-only GPUs as the script has tasks per node (4 x 8 for convit_b_plus.sh), a
 #SBATCH shape, ``slurm/launch.sh``, one interpreter per rank (srun). Only the CPUs per task (1) and the recipe
 change: a tiny ConViT on Fashion-MNIST WebDataset shards from ``data_prep``, ``data.num_workers: 0``, and the
 parallel layout of the script's own recipe (by default with HSDP replicas = nodes; overrides after the options
-change it). It lets the job train, sends the pre-timeout signal the script asks for (``--signal=USR1@300``), and
-checks that every rank saved the same step, that the job requeued, resumed and finished, and that its per-step
-losses equal those of the same script's job run without interruption. It prints the goodput figures (signal to
+change it). It submits the job with a node range (``--nodes=R-N``, R = ``--requeue-nodes``, by default one node
+fewer than the script's N), lets it train on all N nodes, sends the pre-timeout signal the script asks for
+(``--signal=USR1@300``) and drains one node, so that the requeued job comes back on R nodes, as on a cluster where
+a node failed its health check. It checks that every rank saved the same step, that the job requeued, resumed on
+R x tasks-per-node ranks ("resumed step S from W1 ranks on W2 ranks") and finished, and that its per-step losses
+equal those of the same script's job run without interruption on N nodes: exactly up to the stop, within 1e-5
+(relative) after it when the world size changed (another reduction order). It prints the goodput figures (signal to
 checkpoint published, requeue to the first new step, steps lost) and writes them with every check, the ranks'
 node mapping and the memory to ``OUT/rehearsal.json``. Exit status: 0 all checks passed, 1 a check failed, 2 bad input.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PER_CLASS, VAL_PER_CLASS = 25, 20  # 250 and 200 images: not multiples of 32 ranks, so the epochs pad
+TRAIN_PER_CLASS, VAL_PER_CLASS = 50, 20  # 500 and 200 images: not multiples of 32 or 24 ranks, so the epochs pad
 POLL_S = 0.2
 
 
@@ -100,12 +105,22 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
     return p
 
 
-def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int) -> Path:
-    """The tiny recipe (tests/conftest.py's) at the job's world size: 2 images per rank (4 steps an epoch at 32
-    ranks) in as many canonical groups as ranks, every step logged, a checkpoint every epoch."""
+def canonical_groups(*worlds: int) -> int:
+    """The fewest canonical groups that every one of ``worlds`` takes whole: their least common multiple."""
+    return math.lcm(*worlds)
+
+
+def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int,
+                 requeue_world: int | None = None) -> Path:
+    """The tiny recipe (tests/conftest.py's) at the job's world size: as many canonical groups as both world sizes
+    take whole, 2 images each (Mixup/CutMix pair a group's images): 32 ranks, 32 groups, global batch 64, 7 steps an
+    epoch; 32 ranks requeued onto 24, 96 groups, global batch 192, 2 steps an epoch. Every step logged, a checkpoint
+    every epoch."""
     from tests.conftest import tiny_recipe
 
-    recipe = tiny_recipe(path, "wds", data, out, data={"global_batch_size": 2 * world, "canonical_groups": world},
+    groups = canonical_groups(world, requeue_world or world)
+    batch = 2 * groups
+    recipe = tiny_recipe(path, "wds", data, out, data={"global_batch_size": batch, "canonical_groups": groups},
                          schedule={"epochs": 20, "warmup_epochs": 1, "max_steps": steps},
                          checkpoint={"every_epochs": 1, "keep_last": 4}, parallel=parallel)
     from convit_scale.config import load_config
@@ -216,20 +231,25 @@ class JobFailed(RuntimeError):
     pass
 
 
-def submit(slurm, shape: JobShape, recipe: Path, data: Path, out: Path, log: Path, launcher: str) -> int:
-    """The script as an operator submits it; only --cpus-per-task differs (one CPU per rank here)."""
+def submit(slurm, shape: JobShape, recipe: Path, data: Path, out: Path, log: Path, launcher: str,
+           min_nodes: int | None = None) -> int:
+    """The script as an operator submits it; only --cpus-per-task differs (one CPU per rank here). ``min_nodes``:
+    submitted with the node range --nodes=MIN-N (starts, and restarts after a requeue, on any count in it)."""
+    nodes = [f"--nodes={min_nodes}-{shape.nodes}"] if min_nodes and min_nodes != shape.nodes else []
     env = {"RECIPE": str(recipe), "OUTPUT_DIR": str(out), "DATA_DIR": str(data), "LAUNCHER": launcher,
            "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1",  # every "node" is this host
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return slurm.sbatch("--cpus-per-task=1", f"--output={log}", str(shape.script), env=env, cwd=REPO)
+    return slurm.sbatch("--cpus-per-task=1", *nodes, f"--output={log}", str(shape.script), env=env, cwd=REPO)
 
 
 def run_interrupted(slurm, shape: JobShape, recipe: Path, data: Path, out: Path, signal_at: int,
-                    launcher: str) -> tuple[Watch, dict]:
-    """The job with the pre-timeout signal sent once step ``signal_at`` is logged; returns the watch and the
-    stop: the checkpoint's step, its files and meta as published, and the event times."""
+                    launcher: str, requeue_nodes: int) -> tuple[Watch, dict]:
+    """The job (node range ``requeue_nodes``-N) with the pre-timeout signal sent once step ``signal_at`` is
+    logged, and its last N - ``requeue_nodes`` nodes drained then, so that the requeue comes back on
+    ``requeue_nodes``; returns the watch and the stop: the checkpoint's step, its files and meta as published, and
+    the event times. The drained nodes are resumed once the job ends."""
     log = out.parent / f"{out.name}.out"
-    watch = Watch(slurm, submit(slurm, shape, recipe, data, out, log, launcher), out, recipe)
+    watch = Watch(slurm, submit(slurm, shape, recipe, data, out, log, launcher, requeue_nodes), out, recipe)
     watch.events["submitted"] = time.time()
     watch.wait(lambda: any(r["step"] >= signal_at for _, r in watch.train()), f"step {signal_at}", 900)
     # What --signal=USR1@T sends: to every task of the job's steps; --signal=B:USR1@T: to the batch shell only.
@@ -237,6 +257,9 @@ def run_interrupted(slurm, shape: JobShape, recipe: Path, data: Path, out: Path,
     to_batch = ["--batch"] if sig.startswith("B:") else []
     slurm.run("scancel", *to_batch, f"--signal={sig.removeprefix('B:')}", str(watch.job))
     watch.events["signal"] = time.time()
+    drained = slurm.nodes[requeue_nodes:]
+    if drained:  # the job keeps them until it ends (DRAINING); its requeue cannot have them
+        slurm.run("scontrol", "update", f"NodeName={','.join(drained)}", "State=DRAIN", "Reason=rehearsal")
     ckpt = {}
 
     def published() -> bool:
@@ -256,6 +279,8 @@ def run_interrupted(slurm, shape: JobShape, recipe: Path, data: Path, out: Path,
         lambda: any(r["step"] > step and t >= watch.events["restarted"] for t, r in watch.train()), "a new step", 900)
     watch.wait(lambda: watch.state.get("JobState") == "COMPLETED", "the end", 900)
     watch.events["ended"] = time.time()
+    if drained:
+        slurm.run("scontrol", "update", f"NodeName={','.join(drained)}", "State=RESUME")
     return watch, {**ckpt, "log": log}
 
 
@@ -315,10 +340,32 @@ def rank_file(strategy: str, rank: int) -> str:
     return f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" if strategy.startswith("zero") else f"dcp/__{rank}_0.distcp"
 
 
+ELASTIC_RTOL = 1e-5
+"""Per-step losses after a requeue onto another world size: within this (relative) of the uninterrupted job's (the
+same samples and draws; only the reductions' order differs)."""
+
+
+def losses_differ(la: dict[int, float], lb: dict[int, float], stop_step: int, elastic: bool) -> float | None:
+    """The largest (relative) difference between two jobs' per-step losses where it is not allowed: any up to the
+    stop; after it, any (same world size) or beyond ``ELASTIC_RTOL`` (resumed on another world size). None: none,
+    and both jobs logged the same steps."""
+    if sorted(la) != sorted(lb):
+        return math.inf
+    worst = None
+    for s in la:
+        rel = abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12)
+        allowed = ELASTIC_RTOL if elastic and s > stop_step else 0.0
+        if rel > allowed and (worst is None or rel > worst):
+            worst = rel
+    return worst
+
+
 def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, steps: int,
-           steps_lost: int) -> dict[str, str | None]:
-    """Each check's failure, or None when it holds."""
+           steps_lost: int, requeue_nodes: int | None = None) -> dict[str, str | None]:
+    """Each check's failure, or None when it holds. ``requeue_nodes``: the nodes the interrupted job came back on
+    (None: all of them)."""
     world, files, meta = shape.world, set(stop["files"]), stop["meta"]
+    world2 = (requeue_nodes or shape.nodes) * shape.tasks_per_node
     stopped = [r["step"] for _, r in a.records if r.get("kind") == "stopped"]
     la, lb = steps_and_losses(a), steps_and_losses(b)
     after = [r["step"] for t, r in a.train() if t >= a.events["restarted"]]
@@ -327,8 +374,12 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
     want_ranks = sorted((n * shape.tasks_per_node + k, k, n, f"n{n + 1}") for n in range(shape.nodes)
                         for k in range(shape.tasks_per_node))
     evals = [r["samples"] for w in (a, b) for _, r in w.records if r.get("kind") == "eval"]
-    widths = {len(r["peak_mem_mb"]) for w in (a, b) for _, r in w.train()}
-    diff = max((abs(la[s] - lb[s]) for s in la.keys() & lb.keys()), default=None)
+    widths = {len(r["peak_mem_mb"]) for w in (a, b) for t, r in w.train() if w is b or t < a.events["restarted"]}
+    widths_after = {len(r["peak_mem_mb"]) for t, r in a.train() if t >= a.events["restarted"]}
+    elastic = world2 != world
+    diff = losses_differ(la, lb, meta["step"], elastic)
+    log = Path(stop["log"]).read_text(errors="replace") if stop.get("log") and Path(stop["log"]).is_file() else ""
+    resumed = f"resumed step {meta['step']} from {world} rank(s) on {world2}"
     found = {
         "job requeued once and completed": None if (a.state.get("JobState"), a.state.get("Restarts")) == ("COMPLETED", "1")
         else f"state {a.state.get('JobState')}, restarts {a.state.get('Restarts')}",
@@ -338,13 +389,18 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
         "resumed at the next step, nothing lost or repeated": None
         if after[:1] == [meta["step"] + 1] and sorted(la) == list(range(1, steps + 1)) and steps_lost == 0
         else f"first step after the restart {after[:1]}, steps {sorted(la)}, {steps_lost} lost",
-        "per-step losses equal the uninterrupted job's": None
-        if la == lb and len(la) == steps else f"{len(la)} vs {len(lb)} steps, largest difference {diff}",
+        ("per-step losses equal the uninterrupted job's" if not elastic else
+         f"per-step losses equal the uninterrupted job's up to the stop, within {ELASTIC_RTOL:g} after it"): None
+        if diff is None and len(la) == steps else f"{len(la)} vs {len(lb)} steps, largest relative difference {diff}",
         "uninterrupted job completed without requeue": None
         if (b.state.get("JobState"), b.state.get("Restarts")) == ("COMPLETED", "0") else f"{b.state}",
         f"rank = node x {shape.tasks_per_node} + local rank on every node (srun block layout)": None
         if ranks == want_ranks else f"seen (rank, local rank, node id, node) {ranks}",
-        f"all {world} ranks in every logged step": None if widths == {world} else f"ranks per step {widths}",
+        f"all {world} ranks in every logged step" + (f" ({world2} after the requeue)" if elastic else ""): None
+        if widths == {world} and widths_after == {world2}
+        else f"ranks per step {widths}, after the requeue {widths_after}",
+        f"requeued on {world2 // shape.tasks_per_node} nodes: \"{resumed}\" logged": None
+        if resumed in log else f"no \"{resumed}\" in {stop.get('log')}",
         f"evaluation counted {10 * VAL_PER_CLASS} images once (padded to {world} ranks)": None
         if evals and set(evals) == {10 * VAL_PER_CLASS} else f"samples {evals}",
     }
@@ -364,6 +420,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="optimizer steps of each job")
     p.add_argument("--signal-at", type=int, default=2, help="send the pre-timeout signal once this step is logged")
     p.add_argument("--launcher", default="srun", help="LAUNCHER of launch.sh: srun or torchrun")
+    p.add_argument("--requeue-nodes", type=int, default=None,
+                   help="the nodes the requeued job comes back on (default: one fewer than the script's; its node "
+                        "count: the same nodes)")
     p.add_argument("overrides", nargs="*", help="parallel.KEY=VALUE: another layout than the recipe's")
     return p
 
@@ -373,6 +432,10 @@ def _refuse_bad_input(args, shape: JobShape) -> None:
         raise Refused(f"--signal-at {args.signal_at}: allowed: 1 <= --signal-at < --steps ({args.steps})")
     if args.launcher not in ("srun", "torchrun"):
         raise Refused(f"--launcher {args.launcher}: allowed: srun or torchrun")
+    if args.requeue_nodes is None:
+        args.requeue_nodes = max(1, shape.nodes - 1)
+    if not 1 <= args.requeue_nodes <= shape.nodes:
+        raise Refused(f"--requeue-nodes {args.requeue_nodes}: allowed: 1 to the script's {shape.nodes} nodes")
     from tests.slurm_cluster import missing_requirements
 
     why = missing_requirements()
@@ -389,14 +452,16 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
     out = (REPO / args.out).resolve()
     t0, load_before = time.time(), round(os.getloadavg()[0], 1)
     data = prepare_data(out / "data")
-    recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, shape.world)
+    recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, shape.world,
+                          args.requeue_nodes * shape.tasks_per_node)
     for name in ("interrupted", "uninterrupted"):
         shutil.rmtree(out / name, ignore_errors=True)
         (out / f"{name}.out").unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="rehearsal-slurm-") as root:
         slurm = LocalSlurm(Path(root), nodes=shape.nodes, cpus=shape.tasks_per_node, gpus=shape.tasks_per_node).start()
         try:
-            a, stop = run_interrupted(slurm, shape, recipe, data, out / "interrupted", args.signal_at, args.launcher)
+            a, stop = run_interrupted(slurm, shape, recipe, data, out / "interrupted", args.signal_at, args.launcher,
+                                      args.requeue_nodes)
             b = run_uninterrupted(slurm, shape, recipe, data, out / "uninterrupted", args.launcher)
         except JobFailed as e:
             logs = sorted(out.glob("*.out"), key=lambda p: p.stat().st_mtime)
@@ -407,7 +472,9 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
     result = {"script": str(shape.script.relative_to(REPO)), "recipe_of_script": shape.recipe,
               "nodes": shape.nodes, "tasks_per_node": shape.tasks_per_node, "ranks": shape.world,
               "launcher": args.launcher, "parallel": parallel, "steps": args.steps, "signal": shape.signal,
-              "goodput": fig, "checks": checks(shape, parallel, a, b, stop, args.steps, fig["steps_lost"]),
+              "requeue_nodes": args.requeue_nodes,
+              "goodput": fig, "checks": checks(shape, parallel, a, b, stop, args.steps, fig["steps_lost"],
+                                               args.requeue_nodes),
               "memory_mb": {k: round(max(a.mem[k], b.mem[k])) for k in a.mem},
               "ranks_cpu_s": {"interrupted": round(sum(a.cpu_s.values())), "uninterrupted": round(sum(b.cpu_s.values())),
                               "start_to_first_step": round(b.startup_cpu_s or 0)},
@@ -426,8 +493,9 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
 def report(result: dict) -> None:
     g, m = result["goodput"], result["memory_mb"]
     p = result["parallel"]
-    print(f"rehearsal: {result['script']} as {result['nodes']} nodes x {result['tasks_per_node']} ranks "
-          f"({result['launcher']}), {p['strategy']} {p['precision']} hsdp_replicas {p['hsdp_replicas']}, "
+    print(f"rehearsal: {result['script']} as {result['nodes']} nodes x {result['tasks_per_node']} ranks, requeued "
+          f"onto {result['requeue_nodes']} nodes ({result['launcher']}), {p['strategy']} {p['precision']} "
+          f"hsdp_replicas {p['hsdp_replicas']}, "
           f"{result['steps']} steps, {result['wall_s']:.0f} s")
     for name, failure in result["checks"].items():
         print(f"  {'ok  ' if failure is None else 'FAIL'} {name}" + ("" if failure is None else f": {failure}"))

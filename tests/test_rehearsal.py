@@ -27,6 +27,7 @@ def test_the_job_shape_is_the_scripts_own(script, nodes):
                                       f"RECIPE in it; allowed: a slurm/*.sh wrapper of launch.sh with #SBATCH --nodes, "
                                       f"--ntasks-per-node and --signal"),
     (["--signal-at", "8"], "error: --signal-at 8: allowed: 1 <= --signal-at < --steps (8)"),
+    (["--requeue-nodes", "5"], "error: --requeue-nodes 5: allowed: 1 to the script's 4 nodes"),
     (["data.num_workers=2"], "error: override 'data.num_workers=2': allowed: parallel.KEY=VALUE (the layout; the rest "
                              "is the rehearsal's)"),
 ])
@@ -61,26 +62,27 @@ def test_four_nodes_of_eight_run_the_scripts_32_tasks_in_node_blocks(tmp_path):
     assert rows == [(8 * n + l, n, l, f"n{n + 1}", 8) for n in range(4) for l in range(8)]
 
 
-def _job(out, losses, restarts, ranks, stop_at=None, lost=0, world=4):
+def _job(out, losses, restarts, ranks, stop_at=None, lost=0, world=4, world_after=None):
     """A job as the rehearsal's watch sees it: the records with the times they appeared, the job's state and its
     ranks' (rank, local rank, node id, node name); metrics.jsonl as the engine leaves it. Stopped after step
-    ``stop_at``, having trained ``lost`` steps past its checkpoint, which the resumed run trains again."""
+    ``stop_at``, having trained ``lost`` steps past its checkpoint, which the resumed run trains again on
+    ``world_after`` ranks (default: ``world``)."""
     from convit_scale.metrics import MetricsWriter
 
     w = Watch(slurm=None, job=1, out=out, recipe=out / "r.yaml")
     w.state = {"JobState": "COMPLETED", "Restarts": str(restarts)}
     w.ranks = {str(100 + i): r for i, r in enumerate(ranks)}
     w.events = {"submitted": 0.0, "running": 1.0}
-    train = lambda t, step: (t, {"kind": "train", "step": step, "loss": losses[step - 1],  # noqa: E731
-                                 "peak_mem_mb": [1.0] * world})
-    t = 10.0
+    train = lambda t, step, n=world: (t, {"kind": "train", "step": step, "loss": losses[step - 1],  # noqa: E731
+                                          "peak_mem_mb": [1.0] * n})
+    t, n = 10.0, world
     for step in range(1, len(losses) + 1):
         if step == (stop_at or 0) + 1:  # the signal, the checkpoint, the requeue, the restart
             w.records += [train(t + 0.1 * k, step + k) for k in range(lost)]
             w.records.append((t, {"kind": "stopped", "step": stop_at}))
             w.events.update(signal=t - 0.5, published=t + 1, requeued=t + 3, restarted=t + 10, first_new_step=t + 20)
-            t += 20
-        w.records.append(train(t, step))
+            t, n = t + 20, world_after or world
+        w.records.append(train(t, step, n))
         t += 1
     w.records.append((t, {"kind": "eval", "step": len(losses), "samples": 200}))
     out.mkdir(parents=True)
@@ -98,15 +100,20 @@ def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
     blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
     losses = [2.3 - 0.01 * i for i in range(8)]
     files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
-    stop = {"path": tmp_path, "meta": {"step": 3, "world_size": 4, "reason": "signal"}, "files": files}
+    (tmp_path / "job.out").write_text("resumed from .../step_000000003 at step 3 (epoch 1, batch 1; signal): "
+                                      "resumed step 3 from 4 rank(s) on 4\n")
+    stop = {"path": tmp_path, "meta": {"step": 3, "world_size": 4, "reason": "signal"}, "files": files,
+            "log": tmp_path / "job.out"}
     runs = iter(range(100))
 
-    def failing(a_losses=losses, a_ranks=blocks, stop=stop, lost=0):
+    def failing(a_losses=losses, a_ranks=blocks, stop=stop, lost=0, requeue_nodes=None):
         n = next(runs)
-        a = _job(tmp_path / f"a{n}", a_losses, 1, a_ranks, stop_at=3, lost=lost)
+        a = _job(tmp_path / f"a{n}", a_losses, 1, a_ranks, stop_at=3, lost=lost,
+                 world_after=2 * requeue_nodes if requeue_nodes else None)
         b = _job(tmp_path / f"b{n}", losses, 0, blocks)
         fig = figures(a, b, stop)
-        found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1}, a, b, stop, len(losses), fig["steps_lost"])
+        found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1}, a, b, stop, len(losses), fig["steps_lost"],
+                       requeue_nodes)
         return [k for k, v in found.items() if v is not None], fig
 
     found, fig = failing()
@@ -120,6 +127,50 @@ def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
     assert failing(a_ranks=cyclic)[0] == ["rank = node x 2 + local rank on every node (srun block layout)"]
     found, fig = failing(lost=1)  # a rank trained step 4 after the checkpoint of step 3
     assert fig["steps_lost"] == 1 and found == ["resumed at the next step, nothing lost or repeated"]
+    assert failing(stop={**stop, "log": tmp_path / "none.out"})[0] == [
+        'requeued on 2 nodes: "resumed step 3 from 4 rank(s) on 4" logged']
+
+
+def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
+    """2 nodes x 2 ranks requeued onto 1 node: the losses after the stop may differ by the reduction order (1e-5
+    relative), not before it and not more; the steps after the requeue have 2 ranks, and the log says so."""
+    shape = JobShape(REPO / "slurm" / "convit_b_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
+    blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
+    losses = [2.3 - 0.01 * i for i in range(8)]
+    files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
+    log = tmp_path / "job.out"
+    log.write_text("resumed step 3 from 4 rank(s) on 2\n")
+    stop = {"path": tmp_path, "meta": {"step": 3, "world_size": 4, "reason": "signal"}, "files": files, "log": log}
+    runs = iter(range(100))
+
+    def failing(a_losses=losses, world_after=2):
+        n = next(runs)
+        a = _job(tmp_path / f"a{n}", a_losses, 1, blocks, stop_at=3, world_after=world_after)
+        b = _job(tmp_path / f"b{n}", losses, 0, blocks)
+        found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1}, a, b, stop, len(losses), 0, requeue_nodes=1)
+        return [k for k, v in found.items() if v is not None]
+
+    close = losses[:5] + [losses[5] * (1 + 3e-6)] + losses[6:]  # after the stop, within 1e-5
+    assert failing() == [] and failing(close) == []
+    within = "per-step losses equal the uninterrupted job's up to the stop, within 1e-05 after it"
+    assert failing(losses[:5] + [losses[5] * (1 + 3e-5)] + losses[6:]) == [within]
+    assert failing(losses[:1] + [losses[1] * (1 + 3e-7)] + losses[2:]) == [within]  # before the stop: exact
+    assert failing(world_after=4) == ["all 4 ranks in every logged step (2 after the requeue)"]
+
+
+def test_the_recipe_takes_whole_groups_on_both_world_sizes(tmp_path):
+    """The rehearsal's recipe at 32 ranks requeued onto 24: 96 canonical groups of 2 images, 192 images a step (6 per
+    rank, then 8), both world sizes allowed."""
+    from convit_scale.config import load_config
+    from tests.rehearsal import write_recipe
+
+    r = write_recipe(tmp_path / "r.yaml", tmp_path / "data", tmp_path / "out", {"strategy": "fsdp2"}, 8, 32, 24)
+    data = load_config(r, []).data
+    assert (data.global_batch_size, data.groups) == (192, 96)
+    assert data.world_size_problem(32) is None and data.world_size_problem(24) is None
+    assert "allowed world sizes" in data.world_size_problem(20)
+    same = load_config(write_recipe(tmp_path / "s.yaml", tmp_path / "data", tmp_path / "o", {}, 8, 32), []).data
+    assert (same.global_batch_size, same.groups) == (64, 32)
 
 
 def test_the_command_runs_from_the_checkout():
