@@ -10,6 +10,8 @@ collectives (``tests/test_structure.py`` checks it).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import sys
 
 import torch
@@ -63,13 +65,31 @@ def all_gather_object(obj) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank ``src``'s ``obj`` on every rank (e.g. the checkpoint that rank 0 chose)."""
+def broadcast_object(obj, src: int = 0, group=None):
+    """Rank ``src``'s ``obj`` on every rank (e.g. the checkpoint that rank 0 chose); ``group``: a group of
+    :func:`patient_group`, else the process group."""
     if not is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+@contextlib.contextmanager
+def patient_group(timeout_s: float):
+    """A gloo group of every rank whose collectives wait up to ``timeout_s``, however short the process group's
+    timeout (``parallel.timeout_s``): for the ranks that wait while one rank does long work alone (rank 0 converting
+    a checkpoint), which the process group's timeout, or NCCL's watchdog, would otherwise end. Every rank enters it
+    before the work starts; the wait is a CPU collective (:func:`broadcast_object` with ``group``), not NCCL's.
+    Without a process group: None."""
+    if not is_initialized():
+        yield None
+        return
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -192,6 +192,18 @@ def universal_checkpoint(directory: Path) -> Path:
     return final
 
 
+CONVERSION_BYTES_PER_S = 5e6
+"""The slowest conversion rate the other ranks wait for: a tenth of ``universal_checkpoint``'s rate on 2 CPU cores
+and a local disk (BENCHMARKS.md, "Elastic resume")."""
+
+
+def conversion_wait_s(directory: Path, timeout_s: float) -> float:
+    """How long the other ranks wait for rank 0's conversion of ``directory``'s ZeRO checkpoint: the process group's
+    timeout plus its files at ``CONVERSION_BYTES_PER_S`` (ConViT-B+ under ZeRO-3, about 2.4 GB: 600 + 480 s)."""
+    size = sum(f.stat().st_size for f in (directory / "zero").rglob("*") if f.is_file())
+    return timeout_s + size / CONVERSION_BYTES_PER_S
+
+
 class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO-1/2/3. The loop decides on the step before DeepSpeed's engine takes it: the finiteness of
     the gradients comes from hooks on every parameter, which see each micro-batch's gradients as autograd computes
@@ -278,12 +290,13 @@ class ZeroStrategy(Strategy):
         tag, folder = "zero", directory
         if saved_world_size is not None and saved_world_size != self.world_size:
             error = None
-            if comm.rank() == 0:
-                try:
-                    universal_checkpoint(directory)
-                except Exception as e:  # noqa: BLE001 - every rank raises it below, not only rank 0
-                    error = f"{directory}: DeepSpeed's universal checkpoint conversion failed: {type(e).__name__}: {e}"
-            error = comm.broadcast_object(error)
+            with comm.patient_group(conversion_wait_s(directory, self.p.timeout_s)) as group:
+                if comm.rank() == 0:
+                    try:
+                        universal_checkpoint(directory)
+                    except Exception as e:  # noqa: BLE001 - every rank raises it below, not only rank 0
+                        error = f"{directory}: DeepSpeed's universal checkpoint conversion failed: {type(e).__name__}: {e}"
+                error = comm.broadcast_object(error, group=group)
             if error is not None:
                 raise RuntimeError(error)
             folder = directory / UNIVERSAL
