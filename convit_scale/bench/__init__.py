@@ -1,4 +1,4 @@
-"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels`: the numbers in BENCHMARKS.md, measured
+"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal`: the numbers in BENCHMARKS.md, measured
 side by side.
 
 Every benchmark runs its candidates in the same command, on the same inputs, and reports ratios to a
@@ -23,6 +23,7 @@ from .memory import bench_memory
 from .mfu import bench_mfu
 from .model import bench_model
 from .pixels import pixel_fidelity
+from .universal import bench_universal
 
 
 def _resolve(args) -> None:
@@ -46,8 +47,13 @@ def _run(args) -> dict:
     if args.what == "data":
         return bench_data(out / "data_work", args.seconds, args.rounds, args.device)
     if args.what == "memory":
-        return bench_memory(out / "memory_work", args.model, args.img_size, [int(w) for w in args.worlds.split(",")],
-                            args.strategies.split(","))
+        return bench_memory(out / "memory_work", args.model, args.img_size,
+                            [int(w) for w in (args.worlds or "1,2,4").split(",")],
+                            (args.strategies or "ddp,fsdp2,zero1,zero2,zero3").split(","))
+    if args.what == "universal":
+        return bench_universal(out / "universal_work", args.model, args.img_size,
+                               [int(w) for w in (args.worlds or "2").split(",")],
+                               (args.strategies or "zero2,zero3").split(","))
     if args.what == "mfu":
         return bench_mfu(args.models.split(","), args.batch or 64, args.steps, args.warmup, args.device,
                          precision, args.peak_tflops, args.compile)

@@ -32,17 +32,25 @@ def zero_overrides(strategy: str, params: int) -> list[str]:
     return out
 
 
-def _measure(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int) -> dict:
-    """One strategy on ``world`` processes: two training steps, memory from the run's metrics."""
+def training_run(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int,
+                 steps: int, *extra: str):
+    """The CPU demo recipe with ``model`` at ``img_size`` on ``tree``, 2 images per rank, ``steps`` steps under
+    ``strategy`` (with the CPU ZeRO sizes) on ``world`` ranks, writing to ``out``: the validated config."""
 
     overrides = [f"model.name={model}", f"model.img_size={img_size}", "model.num_classes=10",
                  "data.format=imagefolder", f"data.train_path={tree}", "data.val_path=",
                  f"data.global_batch_size={2 * world}", "data.num_workers=0", "data.repeated_aug=1",
                  f"parallel.strategy={'none' if world == 1 and strategy == 'ddp' else strategy}",
-                 "parallel.precision=fp32", "schedule.max_steps=2", "log.every_steps=1", "log.progress=false",
-                 "checkpoint.resume=none", "log.debug_memory=true", f"run.output_dir={out}",
-                 *zero_overrides(strategy, params)]
-    rc = run_recipe(load_config(recipe_path("cpu/demo.yaml"), overrides), world, env=RSS_ENV, quiet=world == 1)
+                 "parallel.precision=fp32", f"schedule.max_steps={steps}", "log.every_steps=1", "log.progress=false",
+                 "checkpoint.resume=none", f"run.output_dir={out}", *zero_overrides(strategy, params), *extra]
+    return load_config(recipe_path("cpu/demo.yaml"), overrides)
+
+
+def _measure(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int) -> dict:
+    """One strategy on ``world`` processes: two training steps, memory from the run's metrics."""
+
+    cfg = training_run(tree, out, model, img_size, world, strategy, params, 2, "log.debug_memory=true")
+    rc = run_recipe(cfg, world, env=RSS_ENV, quiet=world == 1)
     recs = read_records(out) if rc == 0 else []
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 2 GB per configuration, not needed
     train = [r for r in recs if r["kind"] == "train"]

@@ -1,0 +1,54 @@
+"""`bench universal`: what an elastic resume of a ZeRO run costs once, rank 0 converting the checkpoint into DeepSpeed's
+universal checkpoint while the other ranks wait (``parallel.zero.conversion_wait_s`` is how long they wait)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from data_prep.fashion_mnist import build_tree
+
+from ..models import create_model
+from ..parallel.zero import UNIVERSAL, conversion_wait_s, universal_checkpoint
+from ..train.checkpoint import latest_checkpoint
+from ..train.launch import run_recipe
+from .memory import training_run
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int,
+             timeout_s: float) -> dict:
+    """A one-step run of ``strategy`` on ``world`` ranks, its checkpoint converted here (one worker, as rank 0 does)."""
+    shutil.rmtree(out, ignore_errors=True)
+    rc = run_recipe(training_run(tree, out, model, img_size, world, strategy, params, 1), world, quiet=True,
+                    in_process=world == 1)
+    ckpt = latest_checkpoint(out / "checkpoints") if rc == 0 else None
+    if ckpt is None:
+        return {"strategy": strategy, "world": world, "error": f"exit {rc}, no checkpoint"}
+    t0 = time.perf_counter()
+    universal_checkpoint(ckpt)
+    seconds = time.perf_counter() - t0
+    size = _bytes(ckpt / "zero")
+    row = {"strategy": strategy, "world": world, "zero_bytes": size, "universal_bytes": _bytes(ckpt / UNIVERSAL),
+           "seconds": seconds, "mb_per_s": size / seconds / 1e6, "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s)}
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gigabytes for a large model
+    return row
+
+
+def bench_universal(work: Path, model: str, img_size: int, worlds: list[int], strategies: list[str],
+                    timeout_s: float = 600.0) -> dict:
+    """Per ZeRO stage and world size: the checkpoint's size, the conversion's time and rate, and how long the other
+    ranks would wait for it (``conversion_wait_s`` with the default ``parallel.timeout_s``)."""
+    bad = [s for s in strategies if not s.startswith("zero")]
+    if bad:
+        raise ValueError(f"--strategies {','.join(bad)}: allowed: zero1, zero2, zero3 (only ZeRO checkpoints are "
+                         f"converted)")
+    tree = build_tree(work / "tree", {"train": 20, "val": 4})
+    params = sum(p.numel() for p in create_model(model, device="meta").parameters())
+    rows = [_convert(tree, work / f"{s}_{world}", model, img_size, world, s, params, timeout_s)
+            for world in worlds for s in strategies]
+    return {"model": model, "params": params, "img_size": img_size, "rows": rows}
