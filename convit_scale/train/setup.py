@@ -3,6 +3,7 @@ loaders -> model -> strategy -> loss (and teacher) -> resume -> ``Run``, which t
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,8 @@ def _loaders(cfg: Config, ctx: DistContext, micro: int) -> tuple[Loader, Loader 
 
 def _strategy(cfg: Config, ctx: DistContext, micro: int, accum: int, lr: float) -> tuple[Strategy, float]:
     preload(cfg.parallel.strategy)  # library code belongs to the baseline, not to the model's memory
+    gc.collect()  # an earlier run's garbage in this process (a library caller's, a sweep's) is not this run's
+    reset_peak_memory(ctx.device)  # the peak from now: set-up's, above what the process holds now
     base_mem = round(peak_memory_mb(ctx.device), 1)  # before the model: what the process costs without it
     model = build_model(cfg, meta=cfg.parallel.meta_init)
     strategy = build_strategy(model, cfg.parallel, ctx.device, ctx.world_size, cfg.optim.grad_clip)
