@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,11 +26,14 @@ statuses = []
 for run in json.loads(plan_file.read_text()):
     saved = {k: os.environ.get(k) for k in run.get("env", {})}
     os.environ.update(run.get("env", {}))  # fault injection is read at set-up
+    t0 = time.perf_counter()
     try:
         statuses.append(exit_status(load_config(run["recipe"], run.get("overrides", []))))
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     dist.barrier()
+    if dist.get_rank() == 0:  # where a shared launch's time goes
+        print(f"rank_runs: {Path(run['recipe']).stem} took {time.perf_counter() - t0:.1f} s", flush=True)
 (plan_file.parent / f"statuses_rank{dist.get_rank()}.json").write_text(json.dumps(statuses))
 dist.destroy_process_group()

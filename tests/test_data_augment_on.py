@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, run_cli, tiny_recipe
+from conftest import losses, tiny_recipe, train_here
 from convit_scale.config import ConfigError, DataConfig, load_config
 from convit_scale.data import LoaderSpec, build_loader
 from convit_scale.data.device_augment import augment_on_device, normalize
@@ -69,21 +69,20 @@ def test_device_mode_refuses_what_the_device_cannot_run(overrides, needle):
 
 
 @pytest.mark.slow
-def test_device_mode_training_is_seeded_and_resumes_bit_identically(fm_tree, tmp_path):
-    """One process, augmentation in the training process: an uninterrupted run of 4 steps against one stopped
-    at step 2 (its checkpoint) and resumed; both start with the same losses (same seed), and the device path is
-    not the CPU path (other random draws, other losses)."""
+def test_device_mode_training_is_seeded_and_resumes_bit_identically(fm_tree, tmp_path, capsys):
+    """One process (this one), augmentation in the training process: an uninterrupted run of 4 steps against one
+    stopped at step 2 (its checkpoint) and resumed; both start with the same losses (same seed), and the device
+    path is not the CPU path (other random draws, other losses)."""
     kw = dict(data={"augment_on": "device", "num_workers": 1, "repeated_aug": 1},
               parallel={"strategy": "none", "precision": "fp32"}, checkpoint={"every_steps": 2})
     full = tiny_recipe(tmp_path / "a.yaml", "imagefolder", fm_tree, tmp_path / "a", schedule={"max_steps": 4}, **kw)
-    res = run_cli("train", "--recipe", str(full))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_here(full) == 0
     part = tiny_recipe(tmp_path / "b.yaml", "imagefolder", fm_tree, tmp_path / "b", schedule={"max_steps": 2}, **kw)
-    assert run_cli("train", "--recipe", str(part)).returncode == 0
-    res = run_cli("train", "--recipe", str(part), "schedule.max_steps=4")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout and "step_000000002" in res.stdout
+    assert train_here(part) == 0
+    capsys.readouterr()
+    assert train_here(part, "schedule.max_steps=4") == 0
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "step_000000002" in printed
     assert len(losses(tmp_path / "a")) == 4 and losses(tmp_path / "b") == losses(tmp_path / "a")
-    res = run_cli("train", "--recipe", str(part), f"run.output_dir={tmp_path / 'c'}", "data.augment_on=cpu")
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_here(part, f"run.output_dir={tmp_path / 'c'}", "data.augment_on=cpu") == 0
     assert losses(tmp_path / "c")[0] != losses(tmp_path / "a")[0]
