@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_cluster import LocalSlurm, missing_requirements
 
 from convit_scale.metrics import read_records
 
@@ -152,6 +151,8 @@ def losses(out: Path) -> list[float]:
 def slurm(tmp_path_factory):
     """A local Slurm cluster (tests/slurm_cluster.py) for the module's jobs, 2 CPUs per node (the machine's 2 cores),
     so that a job can hold more than one CPU per rank."""
+    from tests.slurm_cluster import LocalSlurm, missing_requirements  # tests.*: as `python -m tests.rehearsal` finds it
+
     why = missing_requirements()
     if why:
         pytest.fail(f"cannot start the local Slurm cluster: {why}")

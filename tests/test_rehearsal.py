@@ -177,3 +177,7 @@ def test_the_command_runs_from_the_checkout():
     """`make rehearsal` runs `python -m tests.rehearsal` in the checkout (tests/ is not a package)."""
     res = subprocess.run([sys.executable, "-m", "tests.rehearsal", "--help"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 0 and "--signal-at" in res.stdout, res.stderr
+    # what it imports once it runs (the tests' recipe and cluster), outside pytest, whose sys.path differs
+    res = subprocess.run([sys.executable, "-c", "import tests.conftest, tests.slurm_cluster"], capture_output=True,
+                         text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import REPO, records, tiny_recipe
-from slurm_cluster import CPU_SBATCH
+from tests.slurm_cluster import CPU_SBATCH
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import REPO, records, tiny_recipe
-from slurm_cluster import CPU_SBATCH
+from tests.slurm_cluster import CPU_SBATCH
 
 VENV_PY = os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))
 
