@@ -18,7 +18,8 @@
 # CPUs: each rank gets its share of the job's CPUs and as many OpenMP threads (OMP_NUM_THREADS): srun
 # gives every task --cpus-per-task; torchrun gets all of the node's CPUs and splits them among its ranks.
 # Node range: sbatch --nodes=MIN-MAX starts (and restarts after a requeue) on any count in it; each count's
-# ranks must divide the recipe's data.canonical_groups (checked below, before any rank starts).
+# ranks must divide the recipe's data.canonical_groups (checked below, before any rank starts). The requeue
+# below asks again for the range (Slurm would otherwise keep the task count of the last allocation).
 # Requeue: after the pre-timeout signal the ranks save, exit with 75, and rank 0 writes
 # $OUTPUT_DIR/STOPPED_FOR_REQUEUE. The job requeues itself (and resumes from the newest checkpoint) only
 # when that marker was written during this run's training step AND the step's exit status is one a stop
@@ -137,8 +138,10 @@ ranks get OMP_NUM_THREADS=\$OMP_NUM_THREADS\"; exec '$PY' -m torch.distributed.r
         --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT \
         -m convit_scale.train --recipe '$RECIPE' $(printf "'%s' " "${args[@]}")"
 else
+    # Explicit counts: the job's own SLURM_NTASKS is its submission's after a requeue onto fewer nodes.
     # shellcheck disable=SC2086
-    srun --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 $SRUN_ARGS "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
+    srun --nodes="$NODES" --ntasks="$((NODES * TASKS_PER_NODE))" --ntasks-per-node="$TASKS_PER_NODE" \
+        --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 $SRUN_ARGS "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
 fi
 rc=$?
 stopped=no
@@ -158,9 +161,20 @@ if [ $stopped = yes ]; then
         exit 1
     fi
     echo "== stopped before the time limit with a checkpoint; requeueing job ${SLURM_JOB_ID:-?} ($((restarts + 1)) of at most $MAX_REQUEUES)"
+    # The requeue ends this script (SIGTERM, SIGKILL after the cluster's KillWait): it first asks for the node
+    # range again (below).
+    trap '' TERM
     if ! scontrol requeue "${SLURM_JOB_ID:-}"; then
         echo "error: scontrol requeue ${SLURM_JOB_ID:-?} failed (the job needs --requeue); resubmit to resume from $OUT/checkpoints" >&2
         exit 1
+    fi
+    # A requeued job keeps the task and CPU counts of the allocation it had (seen with Slurm 22.05), so a job
+    # submitted with a node range (sbatch --nodes=MIN-MAX) would restart only on as many nodes as before: ask for
+    # one node's worth again; Slurm raises both to what the nodes it gives hold (--ntasks-per-node), and the
+    # range's MIN still holds.
+    if ! scontrol update JobId="${SLURM_JOB_ID:-}" NumTasks="$TASKS_PER_NODE" \
+            NumCPUs="$((TASKS_PER_NODE * ${SLURM_CPUS_PER_TASK:-1}))"; then
+        echo "warning: could not reset the requeued job's task and CPU counts: it restarts on $NODES node(s) only" >&2
     fi
     exit 0
 fi

@@ -340,21 +340,22 @@ def rank_file(strategy: str, rank: int) -> str:
     return f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" if strategy.startswith("zero") else f"dcp/__{rank}_0.distcp"
 
 
-ELASTIC_RTOL = 1e-5
-"""Per-step losses after a requeue onto another world size: within this (relative) of the uninterrupted job's (the
-same samples and draws; only the reductions' order differs)."""
+ELASTIC_RTOL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
+"""Per-step losses after a requeue onto another world size, by ``parallel.precision``: within this (relative) of the
+uninterrupted job's (the same samples and draws; only the reductions' order differs, and in bf16 each partial sum is
+rounded to 8 bits of mantissa: 1.3e-5 measured at 32 -> 24 ranks, where fp32 gives about 1e-7 in the tests)."""
 
 
-def losses_differ(la: dict[int, float], lb: dict[int, float], stop_step: int, elastic: bool) -> float | None:
+def losses_differ(la: dict[int, float], lb: dict[int, float], stop_step: int, rtol: float | None) -> float | None:
     """The largest (relative) difference between two jobs' per-step losses where it is not allowed: any up to the
-    stop; after it, any (same world size) or beyond ``ELASTIC_RTOL`` (resumed on another world size). None: none,
-    and both jobs logged the same steps."""
+    stop; after it, any (``rtol`` None: same world size) or beyond ``rtol`` (resumed on another world size). None:
+    none, and both jobs logged the same steps."""
     if sorted(la) != sorted(lb):
         return math.inf
     worst = None
     for s in la:
         rel = abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12)
-        allowed = ELASTIC_RTOL if elastic and s > stop_step else 0.0
+        allowed = rtol if rtol is not None and s > stop_step else 0.0
         if rel > allowed and (worst is None or rel > worst):
             worst = rel
     return worst
@@ -377,7 +378,8 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
     widths = {len(r["peak_mem_mb"]) for w in (a, b) for t, r in w.train() if w is b or t < a.events["restarted"]}
     widths_after = {len(r["peak_mem_mb"]) for t, r in a.train() if t >= a.events["restarted"]}
     elastic = world2 != world
-    diff = losses_differ(la, lb, meta["step"], elastic)
+    rtol = ELASTIC_RTOL[parallel.get("precision", "fp32")] if elastic else None
+    diff = losses_differ(la, lb, meta["step"], rtol)
     log = Path(stop["log"]).read_text(errors="replace") if stop.get("log") and Path(stop["log"]).is_file() else ""
     resumed = f"resumed step {meta['step']} from {world} rank(s) on {world2}"
     found = {
@@ -390,7 +392,7 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
         if after[:1] == [meta["step"] + 1] and sorted(la) == list(range(1, steps + 1)) and steps_lost == 0
         else f"first step after the restart {after[:1]}, steps {sorted(la)}, {steps_lost} lost",
         ("per-step losses equal the uninterrupted job's" if not elastic else
-         f"per-step losses equal the uninterrupted job's up to the stop, within {ELASTIC_RTOL:g} after it"): None
+         f"per-step losses equal the uninterrupted job's up to the stop, within {rtol:g} after it"): None
         if diff is None and len(la) == steps else f"{len(la)} vs {len(lb)} steps, largest relative difference {diff}",
         "uninterrupted job completed without requeue": None
         if (b.state.get("JobState"), b.state.get("Restarts")) == ("COMPLETED", "0") else f"{b.state}",

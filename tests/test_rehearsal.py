@@ -143,11 +143,12 @@ def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
     stop = {"path": tmp_path, "meta": {"step": 3, "world_size": 4, "reason": "signal"}, "files": files, "log": log}
     runs = iter(range(100))
 
-    def failing(a_losses=losses, world_after=2):
+    def failing(a_losses=losses, world_after=2, precision="fp32"):
         n = next(runs)
         a = _job(tmp_path / f"a{n}", a_losses, 1, blocks, stop_at=3, world_after=world_after)
         b = _job(tmp_path / f"b{n}", losses, 0, blocks)
-        found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1}, a, b, stop, len(losses), 0, requeue_nodes=1)
+        found = checks(shape, {"strategy": "ddp", "hsdp_replicas": 1, "precision": precision}, a, b, stop,
+                       len(losses), 0, requeue_nodes=1)
         return [k for k, v in found.items() if v is not None]
 
     close = losses[:5] + [losses[5] * (1 + 3e-6)] + losses[6:]  # after the stop, within 1e-5
@@ -156,6 +157,10 @@ def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
     assert failing(losses[:5] + [losses[5] * (1 + 3e-5)] + losses[6:]) == [within]
     assert failing(losses[:1] + [losses[1] * (1 + 3e-7)] + losses[2:]) == [within]  # before the stop: exact
     assert failing(world_after=4) == ["all 4 ranks in every logged step (2 after the requeue)"]
+    off = losses[:5] + [losses[5] * (1 + 3e-5)] + losses[6:]  # bf16 rounds each partial sum: 1e-3 after the stop
+    assert failing(off, precision="bf16") == []
+    assert failing(losses[:5] + [losses[5] * (1 + 3e-3)] + losses[6:], precision="bf16") == [
+        "per-step losses equal the uninterrupted job's up to the stop, within 0.001 after it"]
 
 
 def test_the_recipe_takes_whole_groups_on_both_world_sizes(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -55,7 +56,8 @@ def test_two_node_fsdp2_job_trains_and_evaluates(slurm, fm_wds, tmp_path):
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_path, launcher):
     """srun: the signal reaches every rank (each is a task). torchrun: it reaches torchrun, one task per
-    node, which forwards it to its ranks."""
+    node, which forwards it to its ranks. The srun job is submitted with a node range (--nodes=1-2) and its second
+    node drained after the signal: the requeue comes back on the one node left, and resumes the run on 1 rank."""
     out = tmp_path / "run"
     # 60 steps: the stop comes a few steps after the third (a step is ~0.1 s, the signal's way well under 1 s)
     recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 60},
@@ -63,7 +65,10 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     log = tmp_path / "job.out"
     script = REPO / "slurm" / "convit_b_plus.sh"
     assert "#SBATCH --signal=USR1@" in script.read_text() and "#SBATCH --requeue" in script.read_text()
-    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(script),
+    elastic = launcher == "srun"
+    # --ntasks=2 with one task per node: the first start takes both nodes (of a range, Slurm may give the fewest)
+    nodes = ["--nodes=1-2", "--ntasks=2"] if elastic else ["--nodes=2"]
+    job = slurm.sbatch(*nodes, *CPU_SBATCH, f"--output={log}", str(script),
                        env=_env(recipe, out, fm_tree, LAUNCHER=launcher), cwd=REPO)
     t0 = time.time()
     while len(records(out)) < 3:  # training is under way
@@ -71,12 +76,18 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
         time.sleep(0.5)
     # Slurm's pre-timeout signal (--signal=USR1@T) reaches every task of the step: send the same now.
     slurm.run("scancel", "--signal=USR1", str(job))
-    t0 = time.time()
-    while not records(out, "stopped"):
-        assert time.time() - t0 < 120, log.read_text()[-3000:]
-        time.sleep(0.5)
-    stopped_at = records(out, "stopped")[0]["step"]
-    info = slurm.wait_job(job, timeout=600)
+    if elastic:  # as a node that failed its health check: the job keeps it until it ends, its requeue cannot have it
+        slurm.run("scontrol", "update", f"NodeName={slurm.nodes[1]}", "State=DRAIN", "Reason=test")
+    try:
+        t0 = time.time()
+        while not records(out, "stopped"):
+            assert time.time() - t0 < 120, log.read_text()[-3000:]
+            time.sleep(0.5)
+        stopped_at = records(out, "stopped")[0]["step"]
+        info = slurm.wait_job(job, timeout=600)
+    finally:
+        if elastic:
+            slurm.run("scontrol", "update", f"NodeName={slurm.nodes[1]}", "State=RESUME")
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", text[-4000:]
     assert info.get("Restarts") == "1", info
@@ -85,6 +96,8 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     if launcher == "torchrun":  # torchrun handled USR1 (by default it would die of it) and waited for its ranks
         assert "death signal, shutting down workers" in text and "closing signal SIGUSR1" in text
     assert f"resumed from {out}/checkpoints/step_{stopped_at:09d} at step {stopped_at}" in text
+    assert f"resumed step {stopped_at} from 2 rank(s) on {1 if elastic else 2}" in text
+    assert re.findall(r"== nodes (\d+), ", text) == (["2", "1"] if elastic else ["2", "2"])  # both starts
     end = records(out, "end")
     assert len(end) == 1 and end[0]["step"] == 60
     steps = [r["step"] for r in records(out)]
