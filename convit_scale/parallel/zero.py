@@ -193,13 +193,14 @@ def universal_checkpoint(directory: Path) -> Path:
 
 
 CONVERSION_BYTES_PER_S = 5e6
-"""The slowest conversion rate the other ranks wait for: a tenth of ``universal_checkpoint``'s rate on 2 CPU cores
-and a local disk (BENCHMARKS.md, "Elastic resume")."""
+"""The slowest conversion rate the other ranks wait for: about a twentieth of ``universal_checkpoint``'s rate on 2 CPU
+cores and a local disk (ConViT-B+ under ZeRO-3, 1.8 GB in 20 s: BENCHMARKS.md, "Elastic resume"), for a shared file
+system several times slower."""
 
 
 def conversion_wait_s(directory: Path, timeout_s: float) -> float:
     """How long the other ranks wait for rank 0's conversion of ``directory``'s ZeRO checkpoint: the process group's
-    timeout plus its files at ``CONVERSION_BYTES_PER_S`` (ConViT-B+ under ZeRO-3, about 2.4 GB: 600 + 480 s)."""
+    timeout plus its files at ``CONVERSION_BYTES_PER_S`` (ConViT-B+ under ZeRO-3, 1.8 GB: 600 + 363 s)."""
     size = sum(f.stat().st_size for f in (directory / "zero").rglob("*") if f.is_file())
     return timeout_s + size / CONVERSION_BYTES_PER_S
 
