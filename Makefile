@@ -78,7 +78,8 @@ gpu-test:
 
 # The oldest DeepSpeed pyproject.toml admits, beside the installed one: the tests whose outcome depends on its release
 # (a bad step under ZeRO-1/2/3 with DeepSpeed's own checks of that era, the GPU DeepSpeed takes, the universal
-# checkpoint of a ZeRO-2/3 run resumed on another world size) run against it. Not part of `make test`.
+# checkpoint of a ZeRO-2 run resumed on another world size; ZeRO-3's conversion needs DeepSpeed >= 0.19 and is
+# refused below it) run against it. Not part of `make test`.
 DEEPSPEED_FLOOR ?= 0.16.0
 deepspeed-floor: setup
 	@[ -d $(VENV)/deepspeed-$(DEEPSPEED_FLOOR) ] || $(PY) -m pip install -q --no-deps --target $(VENV)/deepspeed-$(DEEPSPEED_FLOOR) deepspeed==$(DEEPSPEED_FLOOR)

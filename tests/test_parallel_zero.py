@@ -32,3 +32,12 @@ def test_deepspeed_takes_the_ranks_gpu_not_local_rank(monkeypatch):
     engine.DeepSpeedEngine._set_distributed_vars(stub, None)  # what it did before: LOCAL_RANK
     assert chosen == [0, 5]
     assert deepspeed_args(torch.device("cpu")) is None  # on the CPU DeepSpeed's accelerator has no device to pick
+
+
+def test_a_zero3_checkpoint_is_converted_only_by_a_deepspeed_that_can():
+    """DeepSpeed before 0.19 fails converting ZeRO-3 partitions (0.16.0, 0.17.0): refused with what to do instead."""
+    from convit_scale.parallel.zero import universal_problem
+
+    assert universal_problem("zero3", "0.19.8") is None and universal_problem("zero2", "0.16.0") is None
+    problem = universal_problem("zero3", "0.17.0+cpu")
+    assert "DeepSpeed >= 0.19 (installed: 0.17.0+cpu)" in problem and "resume on the world size" in problem

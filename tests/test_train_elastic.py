@@ -25,6 +25,16 @@ FORMATS = ("imagefolder", "wds", "ffcv")
 ZERO = ("zero2", "zero3")
 
 
+def _converts(strategy: str) -> bool:
+    """Whether the installed DeepSpeed converts this stage's checkpoints (`make deepspeed-floor`: 0.16.0 cannot, for
+    ZeRO-3, and refuses: tests/test_parallel_zero.py)."""
+    import deepspeed
+
+    from convit_scale.parallel.zero import universal_problem
+
+    return universal_problem(strategy, deepspeed.__version__) is None
+
+
 def _recipe(tmp, name: str, fmt: str, path, steps: int, strategy: str = "fsdp2"):
     """The tiny recipe with the paper's augmentation (RandAugment, Mixup 0.8, CutMix 1.0: the defaults) and
     drop-path 0.1 (tiny_recipe's), 16 canonical groups of 2, every step's global batch logged as sample ids."""
@@ -50,7 +60,8 @@ def elastic(request, fm_tree, fm_wds, fm_ffcv, tmp_path_factory):
     data = {"imagefolder": fm_tree, "wds": fm_wds, "ffcv": fm_ffcv}
     selected = _selected(request)
     fsdp2 = FORMATS if "fsdp2" in selected else ()
-    cases = [(fmt, "fsdp2") for fmt in fsdp2] + [("imagefolder", z) for z in (ZERO if "zero" in selected else ())]
+    cases = [(fmt, "fsdp2") for fmt in fsdp2] + [("imagefolder", z) for z in (ZERO if "zero" in selected else ())
+                                                 if _converts(z)]
     grow = [(fmt, "fsdp2") for fmt in fsdp2] + [("imagefolder", "zero2")] * ("zero" in selected)  # 1 -> 2
     runs = {f"part1-{fmt}-{strategy}": (train_here(_recipe(tmp, f"part1-{fmt}-{strategy}", fmt, data[fmt], STOP,
                                                            strategy)), "")
@@ -109,6 +120,8 @@ def test_fsdp2_one_rank_stopped_mid_epoch_resumes_on_two(elastic, fmt):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ZERO)
 def test_zero_two_ranks_resume_on_one_through_the_universal_checkpoint(elastic, strategy):
+    if not _converts(strategy):
+        pytest.skip(f"this DeepSpeed refuses to convert {strategy} checkpoints (tests/test_parallel_zero.py)")
     for name in (f"full2-imagefolder-{strategy}", f"part2-imagefolder-{strategy}",
                  f"part2-imagefolder-{strategy}-on1"):
         assert elastic[name][1] == 0, name

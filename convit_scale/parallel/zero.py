@@ -171,6 +171,21 @@ UNIVERSAL = "universal"
 """The folder of a ZeRO checkpoint that holds its DeepSpeed universal checkpoint, once converted."""
 
 
+UNIVERSAL_ZERO3_SINCE = (0, 19)
+"""The oldest DeepSpeed release whose universal conversion was seen to handle a ZeRO-3 checkpoint (0.19.8 converts;
+0.16.0 and 0.17.0 fail on the padding of ZeRO-3's partitions: "start (N) + length (L) exceeds dimension size (N)")."""
+
+
+def universal_problem(strategy: str, deepspeed_version: str) -> str | None:
+    """Why this DeepSpeed cannot convert a ``strategy`` checkpoint to a universal one, or None."""
+    release = tuple(int(x) for x in deepspeed_version.split("+")[0].split(".")[:2])
+    if strategy == "zero3" and release < UNIVERSAL_ZERO3_SINCE:
+        since = ".".join(map(str, UNIVERSAL_ZERO3_SINCE))
+        return (f"a ZeRO-3 checkpoint converts to DeepSpeed's universal checkpoint with DeepSpeed >= {since} (installed: "
+                f"{deepspeed_version}); upgrade DeepSpeed, or resume on the world size the checkpoint was written on")
+    return None
+
+
 def universal_checkpoint(directory: Path) -> Path:
     """``directory/universal``: DeepSpeed's universal checkpoint of the ZeRO state in ``directory/zero`` (any stage),
     converted by ``deepspeed.checkpoint.ds_to_universal`` into ``universal.tmp`` and published by an atomic rename, so
@@ -294,6 +309,11 @@ class ZeroStrategy(Strategy):
             with comm.patient_group(conversion_wait_s(directory, self.p.timeout_s)) as group:
                 if comm.rank() == 0:
                     try:
+                        import deepspeed
+
+                        problem = universal_problem(self.p.strategy, deepspeed.__version__)
+                        if problem:
+                            raise RuntimeError(problem)
                         universal_checkpoint(directory)
                     except Exception as e:  # noqa: BLE001 - every rank raises it below, not only rank 0
                         error = f"{directory}: DeepSpeed's universal checkpoint conversion failed: {type(e).__name__}: {e}"
