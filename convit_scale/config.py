@@ -326,8 +326,9 @@ class ParallelConfig:
             fail("parallel.zero_offload", True, any_zero)
         if self.zero_bucket_elements is not None and not self.strategy.startswith("zero"):
             fail("parallel.zero_bucket_elements", self.zero_bucket_elements, any_zero)
-        if self.zero_bucket_elements is not None and self.zero_bucket_elements < 1:
-            fail("parallel.zero_bucket_elements", self.zero_bucket_elements, "must be >= 1, or null (sized from the model)")
+        if self.zero_bucket_elements is not None and (self.zero_bucket_elements < 1 or self.zero_bucket_elements % 8):
+            fail("parallel.zero_bucket_elements", self.zero_bucket_elements,
+                 "must be a positive multiple of 8 (DeepSpeed aligns its buckets), or null (sized from the model)")
         if self.zero_overlap_comm is not None and not self.strategy.startswith("zero"):
             fail("parallel.zero_overlap_comm", self.zero_overlap_comm, any_zero)
         for key in ("zero_param_persistence_threshold", "zero_prefetch_bucket_elements", "zero_max_live_parameters",

@@ -48,7 +48,7 @@ def test_inheritance_and_overrides(tmp_path):
     ("run: {seed: true}\n", "run.seed = True is not allowed; expected int"),
     ("model: 3\n", "'model' must be a mapping"),
     ("parallel: {strategy: ddp, zero_bucket_elements: 1000}\n", "parallel.zero_bucket_elements = 1000 is not allowed; needs"),
-    ("parallel: {strategy: zero3, zero_bucket_elements: 0}\n", "parallel.zero_bucket_elements = 0 is not allowed; must be >= 1"),
+    ("parallel: {strategy: zero3, zero_bucket_elements: 0}\n", "parallel.zero_bucket_elements = 0 is not allowed; must be a positive multiple of 8"),
     ("parallel: {strategy: zero3, compile: true}\n", "parallel.compile = True is not allowed; is supported with ddp and fsdp2"),
     ("parallel: {strategy: fsdp2, precision: fp16}\n", "parallel.precision = 'fp16' is not allowed; fsdp2 trains in fp32 or bf16"),
 ])

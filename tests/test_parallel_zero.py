@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from convit_scale.parallel.zero import deepspeed_args
@@ -41,3 +42,18 @@ def test_a_zero3_checkpoint_is_converted_only_by_a_deepspeed_that_can():
     assert universal_problem("zero3", "0.19.8") is None and universal_problem("zero2", "0.16.0") is None
     problem = universal_problem("zero3", "0.17.0+cpu")
     assert "DeepSpeed >= 0.19 (installed: 0.17.0+cpu)" in problem and "resume on the world size" in problem
+
+
+def test_buckets_sized_from_the_model_are_aligned_and_odd_ones_refused():
+    """A tenth of ConViT-B+ (153,134,856 parameters) is odd, which DeepSpeed's ZeRO-1/2 refuse at start-up on every
+    rank ("allgather_bucket_size must be a multiple of nccl_start_alignment_factor"): rounded up to a multiple of 8;
+    an explicit odd size is refused with the recipe."""
+    from convit_scale.config import ConfigError, load_config
+    from convit_scale.parallel.zero import zero_sizes
+
+    for device in ("cpu", "cuda"):
+        bucket = zero_sizes(load_config(None, ["parallel.strategy=zero2"]).parallel, 153_134_856, device)["bucket"]
+        assert bucket % 8 == 0 and 0 <= bucket - 153_134_856 / 10 < 8
+    with pytest.raises(ConfigError, match="parallel.zero_bucket_elements = 1001 is not allowed; must be a positive "
+                                          "multiple of 8"):
+        load_config(None, ["parallel.strategy=zero2", "parallel.zero_bucket_elements=1001"])

@@ -19,6 +19,9 @@ from .base import Strategy
 GPU_DEFAULTS = {"bucket": int(5e8), "overlap_comm": True, "param_persistence_threshold": int(1e5),
                 "prefetch_bucket": int(5e7), "max_live_parameters": int(1e9), "max_reuse_distance": int(1e9),
                 "sub_group_size": int(1e9)}
+BUCKET_ALIGN = 8
+"""Bucket sizes are multiples of this: DeepSpeed's ZeRO-1/2 refuse an all-gather bucket that is not a multiple of
+their NCCL alignment (2 elements; a tenth of ConViT-B+ is 15,313,485.6)."""
 BUCKET_RANGE = (int(1e6), int(5e8))
 """Bucket sizes (elements) are a tenth of the model within this range, unless ``parallel.zero_bucket_elements``
 says otherwise: with DeepSpeed's 5e8 a model of up to 500M parameters (ConViT-B+ has 153M) fills one bucket, whose
@@ -37,7 +40,7 @@ def zero_sizes(p, num_params: int, device: torch.device | str = "cpu") -> dict:
     from here.
     """
     low, high = BUCKET_RANGE
-    bucket = p.zero_bucket_elements or int(min(high, max(low, num_params / 10)))
+    bucket = p.zero_bucket_elements or -(-int(min(high, max(low, num_params / 10))) // BUCKET_ALIGN) * BUCKET_ALIGN
     if torch.device(device).type == "cuda":
         auto = {**GPU_DEFAULTS, "bucket": bucket}
     else:
