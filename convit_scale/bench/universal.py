@@ -10,14 +10,10 @@ from pathlib import Path
 from data_prep.fashion_mnist import build_tree
 
 from ..models import create_model
-from ..parallel.zero import UNIVERSAL, conversion_wait_s, universal_checkpoint
+from ..parallel.zero import UNIVERSAL, conversion_wait_s, folder_bytes, universal_checkpoint
 from ..train.checkpoint import latest_checkpoint
 from ..train.launch import run_recipe
 from .memory import training_run
-
-
-def _bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int,
@@ -32,8 +28,8 @@ def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strat
     t0 = time.perf_counter()
     universal_checkpoint(ckpt)
     seconds = time.perf_counter() - t0
-    size = _bytes(ckpt / "zero")
-    row = {"strategy": strategy, "world": world, "zero_bytes": size, "universal_bytes": _bytes(ckpt / UNIVERSAL),
+    size = folder_bytes(ckpt / "zero")
+    row = {"strategy": strategy, "world": world, "zero_bytes": size, "universal_bytes": folder_bytes(ckpt / UNIVERSAL),
            "seconds": seconds, "mb_per_s": size / seconds / 1e6, "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s)}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gigabytes for a large model
     return row

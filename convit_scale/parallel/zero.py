@@ -216,11 +216,15 @@ cores and a local disk (ConViT-B+ under ZeRO-3, 1.8 GB in 20 s: BENCHMARKS.md, "
 system several times slower."""
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder``."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def conversion_wait_s(directory: Path, timeout_s: float) -> float:
     """How long the other ranks wait for rank 0's conversion of ``directory``'s ZeRO checkpoint: the process group's
     timeout plus its files at ``CONVERSION_BYTES_PER_S`` (ConViT-B+ under ZeRO-3, 1.8 GB: 600 + 363 s)."""
-    size = sum(f.stat().st_size for f in (directory / "zero").rglob("*") if f.is_file())
-    return timeout_s + size / CONVERSION_BYTES_PER_S
+    return timeout_s + folder_bytes(directory / "zero") / CONVERSION_BYTES_PER_S
 
 
 class ZeroStrategy(Strategy):
