@@ -35,7 +35,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PKGS)
 	$(PY) -m pip install -e ".[ffcv,test]"
-	@$(PY) -c "import ffcv, torch, timm, deepspeed, webdataset, xdist" || { echo "error: Python dependencies did not import (see above)"; exit 1; }
+	@$(PY) -c "import ffcv, torch, timm, deepspeed, webdataset, xdist" && [ -x $(VENV)/bin/ruff ] || { echo "error: Python dependencies did not import (see above)"; exit 1; }
 	touch $(STAMP)
 
 # DeepSpeed's CPU Adam (the optimizer of ZeRO offload) is a C++ extension that DeepSpeed compiles on first use into
@@ -46,6 +46,7 @@ cpu-adam: setup
 	  echo "error: DeepSpeed's CPU Adam did not build (it needs a C++ compiler: apt-get install g++)"; exit 1; }
 
 test: setup cpu-adam
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 # The 4 x 8 rehearsal (tests/rehearsal.py): slurm/convit_b_plus.sh's job shape, 32 ranks on a local Slurm cluster of 4

@@ -169,7 +169,8 @@ class DataConfig:
     max_bad_samples: int = 100
     """Unreadable or undecodable samples replaced per epoch and rank before the run stops with a DataError."""
     augment_on: Literal["auto", "device", "cpu"] = "auto"
-    """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else cpu."""
+    """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else
+    cpu."""
 
     @property
     def groups(self) -> int:
@@ -222,7 +223,8 @@ class DataConfig:
         if not self.open_retry_backoff_s > 0:
             fail("data.open_retry_backoff_s", self.open_retry_backoff_s, "must be > 0")
         if self.rand_augment is not None and not self.rand_augment.startswith("rand"):
-            fail("data.rand_augment", self.rand_augment, "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
+            fail("data.rand_augment", self.rand_augment,
+                 "a timm RandAugment string like 'rand-m9-mstd0.5-inc1', or null")
         if self.augment_on == "device":
             reason = unsupported_on_device(self)
             if reason is not None:
@@ -427,7 +429,8 @@ class LogConfig:
     wandb_entity: str | None = None
     """W&B entity (team or user); null: the account's default."""
     wandb_name: str | None = None
-    """W&B run name; null: the run folder under runs/ (run.output_dir runs/table1/convit_small -> table1/convit_small)."""
+    """W&B run name; null: the run folder under runs/ (run.output_dir runs/table1/convit_small ->
+    table1/convit_small)."""
     wandb_mode: Literal["auto", "online", "offline"] = "auto"
     """auto: WANDB_MODE when the environment sets it, else online when W&B's server answers and an API key is set,
     else offline (files in the run folder, uploaded later with `wandb sync`)."""
@@ -449,7 +452,8 @@ class LogConfig:
             fail("log.analysis_images", self.analysis_images, "must be >= 0 (0 turns the analysis off)")
         for key in ("wandb_project", "wandb_name"):
             if self.wandb and getattr(self, key) is not None and not getattr(self, key).strip():
-                fail(f"log.{key}", getattr(self, key), "a non-empty name" + (", or null" if key == "wandb_name" else ""))
+                fail(f"log.{key}", getattr(self, key),
+                     "a non-empty name" + (", or null" if key == "wandb_name" else ""))
 
 
 @dataclass

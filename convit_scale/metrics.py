@@ -158,7 +158,8 @@ class _WandbRun:
                               dir=str(out), mode=mode, config=opts.config, settings=wandb.Settings(console="off"))
         self.step = 0
         self.first_new_step = self.run.step  # W&B's next step: 0 for a new run; asked once (a round trip)
-        where = f"; upload it later with `wandb sync {self.run.dir.rsplit('/files', 1)[0]}`" if mode == "offline" else ""
+        where = (f"; upload it later with `wandb sync {self.run.dir.rsplit('/files', 1)[0]}`" if mode == "offline"
+                 else "")
         print(f"[convit-scale] W&B {mode} ({why}): run {opts.name} ({run_id}) in project {opts.project}{where}",
               flush=True)
 

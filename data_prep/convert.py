@@ -124,7 +124,7 @@ def _check_images(samples: list[Sample], out: Path, split: str, opts: PrepOption
     if cache.is_file():
         cached = json.loads(cache.read_text())
         if cached.get("key") == key:
-            return [Sample(p, l) for p, l, _ in cached["valid"]], cached["skipped"], {
+            return [Sample(p, label) for p, label, _ in cached["valid"]], cached["skipped"], {
                 p: how for p, _, how in cached["valid"] if how is not None}
     keep = opts.fmt == "ffcv" and opts.write_mode == "keep"
     valid, skipped, storage = [], [], {}
@@ -388,7 +388,8 @@ def _in_classes(samples: list[Sample], problems: list[dict], classes: list[str],
     problems that are not about a class left out on purpose."""
     left_out = set(all_classes[len(classes):])
     return ([s for s in samples if s.label < len(classes)],
-            [p for p in problems if Path(p["path"]).name not in left_out and Path(p["path"]).parent.name not in left_out])
+            [p for p in problems
+             if Path(p["path"]).name not in left_out and Path(p["path"]).parent.name not in left_out])
 
 
 def _scan(src: Path, opts: PrepOptions, classes: list[str], all_classes: list[str]) -> dict:

@@ -191,7 +191,8 @@ class Watch:
                         or b"torch.distributed.run" in cmd:  # torchrun itself is not a rank
                     continue
                 if pid not in self.ranks:
-                    env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+                    env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                               if b"=" in kv)
                     get = lambda *keys: next((env[k].decode() for k in keys if k in env), None)  # noqa: E731
                     self.ranks[pid] = (int(get(b"RANK", b"SLURM_PROCID")), int(get(b"LOCAL_RANK", b"SLURM_LOCALID")),
                                        int(get(b"SLURM_NODEID")), get(b"SLURMD_NODENAME"))
@@ -337,7 +338,8 @@ def figures(a: Watch, b: Watch, stop: dict) -> dict:
 
 def rank_file(strategy: str, rank: int) -> str:
     """The file of a checkpoint that only ``rank`` writes: its DCP shard, or its ZeRO partition."""
-    return f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" if strategy.startswith("zero") else f"dcp/__{rank}_0.distcp"
+    return (f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" if strategy.startswith("zero")
+            else f"dcp/__{rank}_0.distcp")
 
 
 ELASTIC_RTOL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
@@ -383,7 +385,8 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
     log = Path(stop["log"]).read_text(errors="replace") if stop.get("log") and Path(stop["log"]).is_file() else ""
     resumed = f"resumed step {meta['step']} from {world} rank(s) on {world2}"
     found = {
-        "job requeued once and completed": None if (a.state.get("JobState"), a.state.get("Restarts")) == ("COMPLETED", "1")
+        "job requeued once and completed": None
+        if (a.state.get("JobState"), a.state.get("Restarts")) == ("COMPLETED", "1")
         else f"state {a.state.get('JobState')}, restarts {a.state.get('Restarts')}",
         f"every rank saved step {meta['step']} (its own files from ranks 0-{world - 1})": None
         if not missing and meta.get("world_size") == world and stopped == [meta["step"]]
@@ -478,7 +481,8 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
               "goodput": fig, "checks": checks(shape, parallel, a, b, stop, args.steps, fig["steps_lost"],
                                                args.requeue_nodes),
               "memory_mb": {k: round(max(a.mem[k], b.mem[k])) for k in a.mem},
-              "ranks_cpu_s": {"interrupted": round(sum(a.cpu_s.values())), "uninterrupted": round(sum(b.cpu_s.values())),
+              "ranks_cpu_s": {"interrupted": round(sum(a.cpu_s.values())),
+                              "uninterrupted": round(sum(b.cpu_s.values())),
                               "start_to_first_step": round(b.startup_cpu_s or 0)},
               "timeline_s": {f"{job} {k}": round(t - t0, 1) for job, w in (("interrupted", a), ("uninterrupted", b))
                              for k, t in sorted(w.events.items(), key=lambda kv: kv[1])},
@@ -505,8 +509,9 @@ def report(result: dict) -> None:
           f"step {g['requeue_to_first_new_step_s']} s (Slurm's requeue {g['requeue_to_restart_s']} s, start-up and "
           f"resume of {result['ranks']} ranks {g['restart_to_first_new_step_s']} s); signal -> first new step "
           f"{g['signal_to_first_new_step_s']} s; steps lost {g['steps_lost']}")
-    print(f"  memory: {result['ranks']} ranks {m['ranks_rss_mb_max']} MB RSS ({m['ranks_anon_mb_max']} MB of it anonymous, "
-          f"not shared), largest rank {m['rank_rss_mb_max']} MB; machine in use at most {m['machine_used_mb_max']} MB")
+    print(f"  memory: {result['ranks']} ranks {m['ranks_rss_mb_max']} MB RSS ({m['ranks_anon_mb_max']} MB of it "
+          f"anonymous, not shared), largest rank {m['rank_rss_mb_max']} MB; machine in use at most "
+          f"{m['machine_used_mb_max']} MB")
     c, mach = result["ranks_cpu_s"], result["machine"]
     print(f"  CPU: the ranks used {c['interrupted']} s (interrupted job, 2 starts) and {c['uninterrupted']} s "
           f"(uninterrupted, {c['start_to_first_step']} s of it before the first step); {mach['cpus']} CPUs, load "

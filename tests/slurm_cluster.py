@@ -85,7 +85,8 @@ class LocalSlurm:
         self._wait(lambda: sock.exists(), "munged socket")
         ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
         nodes_cfg = "\n".join(
-            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} Gres=gpu:{self.gpus} State=UNKNOWN"
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} Gres=gpu:{self.gpus} "
+            f"State=UNKNOWN"
             for n, p in zip(self.nodes, node_ports))
         (r / "slurm.conf").write_text(f"""ClusterName=convit-scale-test
 SlurmctldHost=localhost(127.0.0.1)
@@ -127,7 +128,8 @@ PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE Sta
         for i in range(self.gpus):
             (r / "gpu" / f"gpu{i}").touch()
         files = str(r / "gpu" / "gpu0") if self.gpus == 1 else f"{r / 'gpu' / 'gpu'}[0-{self.gpus - 1}]"
-        (r / "gres.conf").write_text("AutoDetect=off\n" + "".join(f"NodeName={n} Name=gpu File={files}\n" for n in self.nodes))
+        (r / "gres.conf").write_text("AutoDetect=off\n"
+                                     + "".join(f"NodeName={n} Name=gpu File={files}\n" for n in self.nodes))
         self.procs.append(subprocess.Popen([self._sbin("slurmctld"), "-D", "-i", "-f", str(r / "slurm.conf")],
                                            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for n in self.nodes:

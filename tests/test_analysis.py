@@ -5,8 +5,8 @@ import math
 import torch
 
 from convit_scale import create_model
-from convit_scale.analysis.cka import MinibatchCKA, hsic_unbiased, linear_cka
 from convit_scale.analysis.attention import attention_maps, gating, head_distances, nonlocality, nonlocality_of
+from convit_scale.analysis.cka import MinibatchCKA, hsic_unbiased, linear_cka
 from convit_scale.analysis.report import analyze, masked
 from convit_scale.models.convit import GPSA, relative_positions
 
@@ -114,8 +114,8 @@ def test_head_distances_over_batches_equal_the_whole_set():
     x = torch.randn(11, 3, 16, 16)
     per_head, n = head_distances(model, [(x[:4], None), (x[4:7], None), (x[7:], None)])
     whole = [nonlocality_of(a, model.grid_size).tolist() for a in attention_maps(model, x)]
-    assert n == 11 and torch.allclose(torch.tensor(per_head, dtype=torch.float64), torch.tensor(whole, dtype=torch.float64),
-                                      atol=1e-6)
+    assert n == 11 and torch.allclose(torch.tensor(per_head, dtype=torch.float64),
+                                      torch.tensor(whole, dtype=torch.float64), atol=1e-6)
 
 
 def test_analyze_command_measures_the_images_asked_for(fm_wds, tmp_path, capsys):

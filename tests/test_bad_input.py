@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli, tiny_recipe
+
 from convit_scale.cli import main
 
 

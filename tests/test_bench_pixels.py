@@ -2,9 +2,9 @@
 and ffcv's own decoders' (not 0), on photograph-like JPEGs."""
 
 from PIL import Image
+from test_jpeg import photo_like
 
 from convit_scale.bench.pixels import pixel_fidelity
-from test_jpeg import photo_like
 
 
 def test_loader_matches_timm_and_ffcvs_own_decoders_do_not(tmp_path):

@@ -4,8 +4,8 @@ first argument as before."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import REPO
+
 from convit_scale.cli import main
 
 DEMO = "recipes/cpu/demo.yaml"

@@ -41,16 +41,22 @@ def test_inheritance_and_overrides(tmp_path):
     ("model: {name: convit_huge}\n", "model.name = 'convit_huge' is not allowed; known models: deit_tiny"),
     ("schedule: {epochs: 10, warmup_epochs: 20}\n", "schedule.warmup_epochs = 20.0 is not allowed"),
     ("distill: {enabled: true}\n", "distill.teacher_checkpoint = None is not allowed"),
-    ("model: {img_size: 100}\n", "model.img_size = 100 is not allowed; the image size (100) must be a positive multiple"),
-    ("model: {patch_size: 15}\n", "model.patch_size = 15 is not allowed; the image size (224) must be a positive multiple of the patch size (15)"),
+    ("model: {img_size: 100}\n",
+     "model.img_size = 100 is not allowed; the image size (100) must be a positive multiple"),
+    ("model: {patch_size: 15}\n",
+     "model.patch_size = 15 is not allowed; the image size (224) must be a positive multiple of the patch size (15)"),
     ("model: {patch_size: 0}\n", "model.patch_size = 0 is not allowed; must be a positive number"),
     ("data: {subset_fraction: 0}\n", "data.subset_fraction = 0.0 is not allowed"),
     ("run: {seed: true}\n", "run.seed = True is not allowed; expected int"),
     ("model: 3\n", "'model' must be a mapping"),
-    ("parallel: {strategy: ddp, zero_bucket_elements: 1000}\n", "parallel.zero_bucket_elements = 1000 is not allowed; needs"),
-    ("parallel: {strategy: zero3, zero_bucket_elements: 0}\n", "parallel.zero_bucket_elements = 0 is not allowed; must be a positive multiple of 8"),
-    ("parallel: {strategy: zero3, compile: true}\n", "parallel.compile = True is not allowed; is supported with ddp and fsdp2"),
-    ("parallel: {strategy: fsdp2, precision: fp16}\n", "parallel.precision = 'fp16' is not allowed; fsdp2 trains in fp32 or bf16"),
+    ("parallel: {strategy: ddp, zero_bucket_elements: 1000}\n",
+     "parallel.zero_bucket_elements = 1000 is not allowed; needs"),
+    ("parallel: {strategy: zero3, zero_bucket_elements: 0}\n",
+     "parallel.zero_bucket_elements = 0 is not allowed; must be a positive multiple of 8"),
+    ("parallel: {strategy: zero3, compile: true}\n",
+     "parallel.compile = True is not allowed; is supported with ddp and fsdp2"),
+    ("parallel: {strategy: fsdp2, precision: fp16}\n",
+     "parallel.precision = 'fp16' is not allowed; fsdp2 trains in fp32 or bf16"),
 ])
 def test_bad_values_are_refused_naming_key_and_file(tmp_path, text, needle):
     f = _write(tmp_path / "bad.yaml", text)
@@ -75,7 +81,8 @@ def test_every_field_has_help_text():
     import dataclasses
 
     for section in dataclasses.fields(Config):
-        cls = section.type if isinstance(section.type, type) else eval(section.type, vars(__import__("convit_scale.config").config))
+        cls = (section.type if isinstance(section.type, type)
+               else eval(section.type, vars(__import__("convit_scale.config").config)))
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"

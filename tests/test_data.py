@@ -10,14 +10,14 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, run_cli, torchrun_cmd
 from PIL import Image
 
-from conftest import REPO, run_cli, torchrun_cmd
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
 from convit_scale.data.geometry import EpochGeometry
-from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
 from convit_scale.imagetree import subsample
+from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
 
 
 def _jpeg(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:

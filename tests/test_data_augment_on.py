@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from conftest import losses, tiny_recipe, train_here
+
 from convit_scale.config import ConfigError, DataConfig, load_config
 from convit_scale.data import LoaderSpec, build_loader
 from convit_scale.data.device_augment import augment_on_device, normalize

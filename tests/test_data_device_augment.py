@@ -7,14 +7,18 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.overrides import TorchFunctionMode
 from timm.data.auto_augment import LEVEL_TO_ARG, NAME_TO_OP, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
+from torch.overrides import TorchFunctionMode
 
 from convit_scale.augment_policy import GEOMETRIC_OPS, RAND_INCREASING_OPS, RAND_OPS, RandAugmentPolicy
 from convit_scale.data.device_augment import (
-    DeviceAugmentConfig, apply_op, augment_batch,
-    normalize, sample_plan, uniforms,
+    DeviceAugmentConfig,
+    apply_op,
+    augment_batch,
+    normalize,
+    sample_plan,
+    uniforms,
 )
 
 DEIT_HPARAMS = dict(translate_const=int(224 * 0.45), img_mean=(124, 116, 104), interpolation=Image.BICUBIC)

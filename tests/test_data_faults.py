@@ -9,8 +9,8 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-
 from conftest import records, run_cli, tiny_recipe
+
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
 from convit_scale.models import MODELS
@@ -146,7 +146,8 @@ def test_imagefolder_unreadable_files_are_replaced_counted_and_limited(tmp_path)
     assert all(r["reason"].startswith("unreadable image") and r["key"] == r["file"].rsplit("/", 1)[1].rsplit(".", 1)[0]
                for r in bad)
     again = _epoch(loader)
-    assert all(torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1 for (x0, y0, b0), (x1, y1, b1) in zip(first, again))
+    assert all(torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1
+               for (x0, y0, b0), (x1, y1, b1) in zip(first, again))
     strict = build_loader(DataConfig(**{**d.__dict__, "max_bad_samples": 1}), LoaderSpec("train", 32, 10))
     with pytest.raises(DataError, match=r"data.max_bad_samples = 1") as e:
         _epoch(strict)

@@ -11,10 +11,9 @@ import pytest
 import torch
 import torchvision.transforms.functional as F
 from PIL import Image
+from test_jpeg import photo_like, with_warning
 from timm.data import create_transform
 from torchvision.transforms import InterpolationMode
-
-from test_jpeg import photo_like, with_warning
 
 KINDS = {  # file name -> how `prep ffcv` stores it (write_mode keep)
     "a_420.JPEG": "kept", "b_progressive.JPEG": "kept", "c_grey.JPEG": "kept", "d_444.JPEG": "kept",
@@ -118,7 +117,8 @@ def test_loader_pixels_are_timms_for_the_same_crop_boxes(tree, kept):
         ref = F.resized_crop(img, i, j, h, w, [40, 40], InterpolationMode.BICUBIC)
         if _uniform(seed, 40) < d.hflip:
             ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
-        assert torch.equal(x, torch.from_numpy(np.array(ref)).permute(2, 0, 1)), (files[int(view & FILE_INDEX)], i, j, h, w)
+        assert torch.equal(x, torch.from_numpy(np.array(ref)).permute(2, 0, 1)), (
+            files[int(view & FILE_INDEX)], i, j, h, w)
 
 
 def test_fashion_mnist_keeps_every_file(fm_tree, fm_ffcv):

@@ -1,4 +1,5 @@
-"""The FFCV train augmentation with private generators equals timm's after seed_host, and leaves the global RNGs alone."""
+"""The FFCV train augmentation with private generators equals timm's after seed_host, and leaves the global RNGs
+alone."""
 
 import random
 

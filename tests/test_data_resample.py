@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torchvision.transforms.functional as F
 from PIL import Image
+from test_jpeg import photo_like
 from timm.data import create_transform
 from torchvision.transforms import InterpolationMode
 
 from convit_scale.data.resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
-from test_jpeg import photo_like
 
 MODES = {"bicubic": InterpolationMode.BICUBIC, "bilinear": InterpolationMode.BILINEAR}
 

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from conftest import records, run_cli
 
 
@@ -60,4 +59,5 @@ def test_sample_efficiency_experiment_small(tmp_path):
             assert records(out / f"{model}_f{f}", "end")[-1]["step"] == steps
     assert (out / "sample_efficiency.png").stat().st_size > 1000
     again = run_cli(*args)
-    assert again.returncode == 0 and all(len(records(out / f"{m}_f{f}", "end")) == 1 for m in table for f in ("0.5", "1"))
+    assert again.returncode == 0 and all(len(records(out / f"{m}_f{f}", "end")) == 1
+                                         for m in table for f in ("0.5", "1"))

@@ -4,7 +4,6 @@ import hashlib
 
 import pytest
 import torch
-
 from conftest import losses, records, run_cli, run_many, tiny_recipe
 
 TEACHER = "regnety_002"  # the RegNetY family of the paper's RegNetY-16GF, CPU-sized
@@ -191,9 +190,9 @@ def test_soft_distillation_is_deits_formula(teacher_file):
 
 @pytest.mark.slow
 def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, distill_runs):
+    import timm
     from safetensors.torch import load_file
 
-    import timm
     from convit_scale.analysis.report import eval_batches
     from convit_scale.trained import load_trained_model
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run `make gpu-test` on a GPU machine)")]
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA device (run `make gpu-test` on a GPU machine)")]
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -86,8 +87,8 @@ def test_train_stop_resume_eval_export_bf16(strategy, tree, tmp_path):
     r = _recipe(tmp_path, tree, strategy, parallel={"strategy": strategy}, schedule={"max_steps": 400})
     run = tmp_path / strategy
     proc = subprocess.Popen([PY, "-m", "convit_scale.cli", "train", "--recipe", str(r), "--nproc-per-node", str(NPROC)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     t0 = time.time()
     while len(_records(run)) < 5:
         assert proc.poll() is None, proc.stdout.read()[-4000:]
@@ -123,7 +124,8 @@ LEARN = {"mixup": 0.0, "cutmix": 0.0, "rand_augment": None, "reprob": 0.0, "colo
 
 def test_the_tiny_run_learns(tree, tmp_path):
     """Ten colour classes with noise: far above chance (10%) after a few hundred steps, or the GPU path is broken."""
-    r = _recipe(tmp_path, tree, "learn", data=LEARN, optim={"base_lr": 2e-3}, schedule={"epochs": 40, "warmup_epochs": 2})
+    r = _recipe(tmp_path, tree, "learn", data=LEARN, optim={"base_lr": 2e-3},
+                schedule={"epochs": 40, "warmup_epochs": 2})
     res = _cli("train", "--recipe", r, "--nproc-per-node", NPROC, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     (end,) = _records(tmp_path / "learn", "end")

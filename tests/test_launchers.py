@@ -4,15 +4,16 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import REPO, losses, tiny_recipe
+
 from convit_scale.train.distributed import free_port
 
 ACCELERATE_CPU = REPO / "recipes" / "accelerate" / "cpu_2proc.yaml"
 
 
 def _accelerate(config, recipe, *overrides):
-    cmd = [str(REPO / ".venv" / "bin" / "accelerate") if (REPO / ".venv" / "bin" / "accelerate").exists() else "accelerate",
+    cmd = [str(REPO / ".venv" / "bin" / "accelerate") if (REPO / ".venv" / "bin" / "accelerate").exists()
+           else "accelerate",
            "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
            "-m", "convit_scale.train", "--recipe", str(recipe), *overrides]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}

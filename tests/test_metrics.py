@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 
 from convit_scale.config import LogConfig
-from convit_scale.metrics import (WANDB_ID_FILE, MetricsWriter, check_log_backends, read_records, run_name,
-                                  scalars, wandb_mode, wandb_options)
+from convit_scale.metrics import (
+    WANDB_ID_FILE,
+    MetricsWriter,
+    check_log_backends,
+    read_records,
+    run_name,
+    scalars,
+    wandb_mode,
+    wandb_options,
+)
 
 
 def _records(steps: range) -> list[dict]:

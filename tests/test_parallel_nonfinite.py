@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import records, tiny_recipe, train_here
 
 NO_MIX = {"mixup": 0.0, "cutmix": 0.0}

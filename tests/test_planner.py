@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import REPO, records, run_ranks, tiny_recipe
+
 from convit_scale.bench.worker import RSS_ENV
 from convit_scale.config import ConfigError, load_config
 from convit_scale.planner import model_facts, plan

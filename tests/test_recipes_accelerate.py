@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import REPO, records, tiny_recipe
 
 CONFIGS = REPO / "recipes" / "accelerate"

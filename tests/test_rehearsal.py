@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from tests.rehearsal import JobShape, Watch, checks, figures, main, read_script
 from tests.slurm_cluster import LocalSlurm, missing_requirements
 
@@ -59,7 +59,7 @@ def test_four_nodes_of_eight_run_the_scripts_32_tasks_in_node_blocks(tmp_path):
     assert info["JobState"] == "COMPLETED", (tmp_path / "job.out").read_text()
     rows = sorted(tuple(int(x) if x.isdigit() else x for x in line.split())
                   for line in (tmp_path / "job.out").read_text().splitlines())
-    assert rows == [(8 * n + l, n, l, f"n{n + 1}", 8) for n in range(4) for l in range(8)]
+    assert rows == [(8 * n + local, n, local, f"n{n + 1}", 8) for n in range(4) for local in range(8)]
 
 
 def _job(out, losses, restarts, ranks, stop_at=None, lost=0, world=4, world_after=None):

@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import REPO, records, tiny_recipe
+
 from tests.slurm_cluster import CPU_SBATCH
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -22,17 +22,20 @@ def _env(recipe, out, data, **extra):
 def _wait(cond, what: str, log, timeout: float):
     t0 = time.time()
     while not cond():
-        assert time.time() - t0 < timeout, f"no {what} after {timeout}s\n" + (log.read_text()[-3000:] if log.exists() else "no log")
+        assert time.time() - t0 < timeout, (f"no {what} after {timeout}s\n"
+                                            + (log.read_text()[-3000:] if log.exists() else "no log"))
         time.sleep(0.5)
 
 
 @pytest.mark.parametrize("env, error", [
-    ({"LAUNCHER": "mpirun"}, "error: LAUNCHER=mpirun is not supported; allowed: srun (one task per GPU) or torchrun (one per node)"),
+    ({"LAUNCHER": "mpirun"},
+     "error: LAUNCHER=mpirun is not supported; allowed: srun (one task per GPU) or torchrun (one per node)"),
     ({"MAX_REQUEUES": "-1"}, "error: MAX_REQUEUES=-1 is not allowed; use a whole number >= 0 (default 50)"),
 ])
 def test_launch_refuses_unknown_settings_before_anything_runs(tmp_path, env, error):
     res = subprocess.run(["bash", str(REPO / "slurm" / "launch.sh")], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PATH": os.environ["PATH"], "RECIPE": "r.yaml", "OUTPUT_DIR": str(tmp_path / "run"), **env})
+                         env={"PATH": os.environ["PATH"], "RECIPE": "r.yaml", "OUTPUT_DIR": str(tmp_path / "run"),
+                              **env})
     assert res.returncode == 2 and res.stdout == "" and res.stderr == error + "\n", res
 
 
@@ -46,7 +49,8 @@ def test_two_node_fsdp2_job_trains_and_evaluates(slurm, fm_wds, tmp_path):
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", text[-3000:]
     assert "nodes 2" in text and "launcher torchrun" in text
-    assert "2 rank(s) on cpu (gloo, launched by torchrun)" in text and "global batch 32 = micro 16 x accumulation 1 x world 2" in text
+    assert ("2 rank(s) on cpu (gloo, launched by torchrun)" in text
+            and "global batch 32 = micro 16 x accumulation 1 x world 2" in text)
     assert "model:" in text  # the resolved recipe is printed at the top of the log
     assert len(records(out)) == 4
     ev = records(out, "eval")
@@ -141,7 +145,8 @@ def test_stale_marker_does_not_requeue_a_job_that_fails_at_start_up(slurm, fm_tr
     assert info["JobState"] == "FAILED" and info.get("Restarts") == "0", (info, text[-3000:])
     assert "checkpoint.resume: /nonexistent is not a complete checkpoint" in text
     # refused before training (preflight: exit 2) or failing at start-up (exit 1): either way, not requeued
-    assert "requeueing" not in text and ("== training exited with status 1" in text or "== training exited with status 2" in text)
+    assert "requeueing" not in text and ("== training exited with status 1" in text
+                                         or "== training exited with status 2" in text)
     assert not (out / "STOPPED_FOR_REQUEUE").exists()
     assert "== CPUs per rank 2 (--cpus-per-task=2 per task), OMP_NUM_THREADS=2" in text
 

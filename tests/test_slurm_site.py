@@ -8,8 +8,8 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import REPO, records, tiny_recipe
+
 from tests.slurm_cluster import CPU_SBATCH
 
 VENV_PY = os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))

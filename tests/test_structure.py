@@ -41,9 +41,9 @@ LAYERS = [
     ["convit_scale.cli"],
 ]
 PACKAGE_FACE = "convit_scale"  # convit_scale/__init__.py re-exports the public names
-COLLECTIVES = re.compile(r"\b(?:dist|torch\.distributed)\.(all_reduce|all_gather|all_gather_object|all_gather_into_tensor|"
-                         r"broadcast|broadcast_object_list|barrier|reduce|reduce_scatter|reduce_scatter_tensor|gather|"
-                         r"gather_object|scatter|all_to_all|send|recv)\(")
+COLLECTIVES = re.compile(r"\b(?:dist|torch\.distributed)\.(all_reduce|all_gather|all_gather_object|"
+                         r"all_gather_into_tensor|broadcast|broadcast_object_list|barrier|reduce|reduce_scatter|"
+                         r"reduce_scatter_tensor|gather|gather_object|scatter|all_to_all|send|recv)\(")
 
 
 def _files() -> dict[str, Path]:
@@ -90,7 +90,8 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for m, p in files.items():
         deps = {i if i in files else i.rpartition(".")[0] for i in _imports(m, p)}
-        graph[m] = {d for d in deps if d in files and d != m and not (p.name == "__init__.py" and d.startswith(m + "."))}
+        graph[m] = {d for d in deps
+                    if d in files and d != m and not (p.name == "__init__.py" and d.startswith(m + "."))}
     return graph
 
 
@@ -218,7 +219,8 @@ def test_imports_inside_functions_are_the_lazy_ones():
                 for m in mods:
                     if not (_is_lazy(m) or m in lazy_modules):
                         hidden.append(f"{rel}:{node.lineno} {fn.name}: {m}")
-    assert not hidden, "imports inside functions (move them to the top, or say why they are lazy):\n" + "\n".join(hidden)
+    assert not hidden, ("imports inside functions (move them to the top, or say why they are lazy):\n"
+                        + "\n".join(hidden))
 
 
 def _is_lazy(module: str) -> bool:

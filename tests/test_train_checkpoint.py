@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import tiny_recipe, train_here
+
 from convit_scale.train.checkpoint import CheckpointIncompatible, check_compatible, choose_checkpoint
 
 
@@ -57,7 +57,8 @@ def test_checkpoint_of_another_strategy_or_global_batch_is_refused(fm_tree, tmp_
         assert main(["train", "--recipe", str(r), override, "schedule.max_steps=2"]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and all(n in errors[0] for n in names), errors
-        assert (tmp_path / "out" / "config.yaml").read_text() == config  # the run folder still describes its checkpoints
+        # the run folder still describes its checkpoints
+        assert (tmp_path / "out" / "config.yaml").read_text() == config
 
 
 # -- which checkpoint a start resumes from ------------------------------------------------------------------------
@@ -84,8 +85,8 @@ def test_an_ablation_pointed_at_another_runs_folder_is_refused_naming_the_fields
                                                                    "schedule.max_steps=5", "data.num_workers=3"])
     check_compatible(tmp_path / "run", {"config": table1.to_dict()}, moved.to_dict())
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
-    assert main(["train", "--recipe", "recipes/table3/convit_small_plus_b_full.yaml", f"run.output_dir={tmp_path / 'run'}",
-                 f"data.train_path={fm_ffcv}", f"data.val_path={fm_ffcv}"]) == 2
+    assert main(["train", "--recipe", "recipes/table3/convit_small_plus_b_full.yaml",
+                 f"run.output_dir={tmp_path / 'run'}", f"data.train_path={fm_ffcv}", f"data.val_path={fm_ffcv}"]) == 2
     err = capsys.readouterr().err
     assert "belongs to another run" in err and "model.train_gating = True -> False" in err, err
     assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before  # refused before anything was written

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, losses, records, run_many, tiny_recipe, train_here
+
 from convit_scale.config import load_config
 
 STOP, TOTAL = 3, 13
@@ -47,7 +47,8 @@ def _recipe(tmp, name: str, fmt: str, path, steps: int, strategy: str = "fsdp2")
 def _selected(request) -> set[str]:
     """The strategies of this file's selected tests that use ``elastic``: `make deepspeed-floor` selects the ZeRO
     test alone (-k zero), whose runs are then the only ones made."""
-    names = [i.originalname for i in request.session.items if i.module is request.module and "elastic" in i.fixturenames]
+    names = [i.originalname for i in request.session.items
+             if i.module is request.module and "elastic" in i.fixturenames]
     return {"zero" if "zero" in n else "fsdp2" for n in names}
 
 
@@ -112,7 +113,8 @@ def test_fsdp2_one_rank_stopped_mid_epoch_resumes_on_two(elastic, fmt):
         assert elastic[name][1] == 0, name
     out = elastic[f"part1-{fmt}-fsdp2-on2"][0]
     checkpoint = out / "checkpoints" / f"step_{STOP:09d}"
-    assert any(f"resumed from {checkpoint} at step {STOP}" in line and f"resumed step {STOP} from 1 rank(s) on 2" in line
+    assert any(f"resumed from {checkpoint} at step {STOP}" in line
+               and f"resumed step {STOP} from 1 rank(s) on 2" in line
                for line in (out.parent / "launch" / "output.txt").read_text().splitlines())
     _assert_continues(out, elastic[f"full2-{fmt}-fsdp2"][0])
 
@@ -140,7 +142,8 @@ def test_zero_one_rank_resumes_on_two_through_the_universal_checkpoint(elastic):
         assert elastic[name][1] == 0, name
     out = elastic["part1-imagefolder-zero2-on2"][0]
     checkpoint = out / "checkpoints" / f"step_{STOP:09d}"
-    assert any(f"resumed from {checkpoint} at step {STOP}" in line and f"resumed step {STOP} from 1 rank(s) on 2" in line
+    assert any(f"resumed from {checkpoint} at step {STOP}" in line
+               and f"resumed step {STOP} from 1 rank(s) on 2" in line
                for line in (out.parent / "launch" / "output.txt").read_text().splitlines())
     assert (checkpoint / "universal").is_dir() and not (checkpoint / "universal.tmp").exists()
     _assert_continues(out, elastic["full2-imagefolder-zero2"][0])
@@ -161,16 +164,16 @@ def test_a_world_size_that_cannot_take_whole_canonical_groups_is_refused_before_
 def test_a_slurm_job_given_a_node_count_its_groups_do_not_allow_is_refused_before_srun(tmp_path):
     """``sbatch --nodes=2-4 slurm/convit_b_plus.sh`` started on 3 nodes of 8: 24 ranks cannot share ConViT-B+'s 32
     canonical groups; the batch shell says so in one line and exits 2 before any srun (no Slurm needed to see it)."""
-    env = {**os.environ, "RECIPE": str(REPO / "recipes/table1/convit_base_plus.yaml"), "OUTPUT_DIR": str(tmp_path / "run"),
-           "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "8",
-           "SITE_SCRIPT": str(tmp_path / "site.sh")}
+    env = {**os.environ, "RECIPE": str(REPO / "recipes/table1/convit_base_plus.yaml"),
+           "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1",
+           "SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "8", "SITE_SCRIPT": str(tmp_path / "site.sh")}
     (tmp_path / "site.sh").write_text("")
     res = subprocess.run(["bash", str(REPO / "slurm" / "launch.sh")], capture_output=True, text=True, cwd=REPO,
                          env=env, timeout=120)
     assert res.returncode == 2, res
-    assert res.stderr.strip() == ("error: 24 ranks cannot share the 32 canonical groups of data.global_batch_size = 512 "
-                                  "(data.canonical_groups = 32; each rank takes whole groups); allowed world sizes: 1, "
-                                  "2, 4, 8, 16, 32")
+    assert res.stderr.strip() == ("error: 24 ranks cannot share the 32 canonical groups of data.global_batch_size = "
+                                  "512 (data.canonical_groups = 32; each rank takes whole groups); allowed world "
+                                  "sizes: 1, 2, 4, 8, 16, 32")
     assert "== nodes 3, tasks/GPUs per node 8" in res.stdout and not (tmp_path / "run").exists()
 
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, losses, ranks_cmd, records, run_many, tiny_recipe, train_here
 
-from conftest import REPO, losses, records, ranks_cmd, run_many, tiny_recipe, train_here
 from convit_scale.models import create_model
 
 EXACT = {"drop_path_rate": 0.0}
@@ -231,7 +231,8 @@ def test_sharded_epoch_analysis_on_two_ranks_equals_one_rank(shared, fm_tree, tm
     assert train_here(r) == 0
     (one,), (two,) = records(tmp_path / "one", "analysis"), records(out, "analysis")
     assert one["analysis_images"] == two["analysis_images"] == 200  # the whole (small) validation split
-    assert len(one["nonlocality"]) == 3 and all(abs(a - b) < 1e-4 for a, b in zip(one["nonlocality"], two["nonlocality"]))
+    assert len(one["nonlocality"]) == 3 and all(abs(a - b) < 1e-4
+                                                for a, b in zip(one["nonlocality"], two["nonlocality"]))
     assert all(abs(a - b) < 1e-5 for la, lb in zip(one["gating"], two["gating"]) for a, b in zip(la, lb))
 
 
@@ -292,7 +293,8 @@ def _wait_for_steps(out, n, proc, timeout=180):
 def _workers(proc):
     import psutil
 
-    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "convit_scale.train" in " ".join(c.cmdline())]
+    return [c for c in psutil.Process(proc.pid).children(recursive=True)
+            if "convit_scale.train" in " ".join(c.cmdline())]
 
 
 @pytest.mark.slow
@@ -336,7 +338,8 @@ def test_bad_recipe_is_refused_before_any_process(tmp_path, fm_tree, fm_wds, cap
                                    parallel={"strategy": "zero9"}), "parallel.strategy = 'zero9' is not allowed"),
                       (tiny_recipe(tmp_path / "r2.yaml", "imagefolder", tmp_path / "nowhere", tmp_path / "out"),
                        "does not exist"),
-                      (tiny_recipe(tmp_path / "r3.yaml", "wds", fm_wds, tmp_path / "out", data={"subset_fraction": 0.5}),
+                      (tiny_recipe(tmp_path / "r3.yaml", "wds", fm_wds, tmp_path / "out",
+                                   data={"subset_fraction": 0.5}),
                        "shards hold subset_fraction=1.0, the recipe asks 0.5")):
         assert main(["train", "--recipe", str(r), "--nproc-per-node", "2"]) == 2
         err = capsys.readouterr().err

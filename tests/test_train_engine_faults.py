@@ -5,8 +5,7 @@ import subprocess
 import time
 
 import pytest
-
-from conftest import PY, REPO, records, run_many, run_ranks, tiny_recipe, train_here
+from conftest import PY, REPO, records, run_many, tiny_recipe, train_here
 
 EXACT = {"drop_path_rate": 0.0}
 NO_MIX = {"mixup": 0.0, "cutmix": 0.0}
@@ -67,7 +66,8 @@ def test_kill_between_checkpoints_then_resume_logs_every_step_once(fm_tree, tmp_
     proc.kill()
     proc.wait()
     logged = [t["step"] for t in records(tmp_path / "out")]
-    ckpt = max(int(p.name.split("_")[1]) for p in (tmp_path / "out" / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+    ckpt = max(int(p.name.split("_")[1]) for p in (tmp_path / "out" / "checkpoints").glob("step_*")
+               if p.name[5:].isdigit())
     assert max(logged) > ckpt  # steps after the checkpoint were logged and are lost with the crash
     assert train_here(r, f"schedule.max_steps={max(logged) + 2}") == 0
     steps = [t["step"] for t in records(tmp_path / "out")]

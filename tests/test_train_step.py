@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import records, tiny_recipe, train_here
 from torch.overrides import TorchFunctionMode
 
 import convit_scale
-from conftest import records, tiny_recipe, train_here
 from convit_scale.train import loop
 
 PKG = Path(convit_scale.__file__).parent

@@ -1,4 +1,5 @@
-"""What the paper measures inside the model: gating, attention maps, nonlocality (the paper's Section 4: Fig. 5-7, Eq. 8)."""
+"""What the paper measures inside the model: gating, attention maps, nonlocality (the paper's Section 4: Fig. 5-7,
+Eq. 8)."""
 
 from __future__ import annotations
 

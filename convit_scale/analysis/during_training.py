@@ -39,7 +39,8 @@ def epoch_analysis(full_state: dict | None, cfg: Config, loader, ctx) -> dict | 
                 chunk = x[i:min(n, i + 32)].to(ctx.device, non_blocking=True)
                 chunk = normalize(chunk) if chunk.dtype == torch.uint8 else chunk  # device-augmentation mode
                 maps = attention_maps(plain, chunk)
-                sums[:-1] += torch.stack([nonlocality_of(a, plain.grid_size).mean() for a in maps]).double() * len(chunk)
+                sums[:-1] += torch.stack([nonlocality_of(a, plain.grid_size).mean()
+                                          for a in maps]).double() * len(chunk)
                 sums[-1] += len(chunk)
     total = comm.all_reduce(sums).tolist()
     if not ctx.is_main:

@@ -1,4 +1,5 @@
-"""`convit-scale analyze`: every measurement of the paper's Section 4 (and of Raghu et al. 2021) for a checkpoint, as PNGs and one JSON.
+"""`convit-scale analyze`: every measurement of the paper's Section 4 (and of Raghu et al. 2021) for a checkpoint,
+as PNGs and one JSON.
 
 Inputs: a run checkpoint directory, an exported .safetensors or published weights; optionally a second
 model to compare (CKA between models: another ConViT/DeiT, or a timm CNN such as a ResNet, as in "Do Vision

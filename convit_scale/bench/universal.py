@@ -30,7 +30,8 @@ def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strat
     seconds = time.perf_counter() - t0
     size = folder_bytes(ckpt / "zero")
     row = {"strategy": strategy, "world": world, "zero_bytes": size, "universal_bytes": folder_bytes(ckpt / UNIVERSAL),
-           "seconds": seconds, "mb_per_s": size / seconds / 1e6, "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s)}
+           "seconds": seconds, "mb_per_s": size / seconds / 1e6,
+           "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s)}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gigabytes for a large model
     return row
 

@@ -15,8 +15,8 @@ def _cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu, inference, pixels, "
-                                                "universal)",
+    p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu, inference, "
+                                     "pixels, universal)",
                        description="Measure candidates side by side, each in a fresh process, in interleaved rounds; "
                                    "writes OUT/bench_WHAT.json. `bench data` needs the bench extra "
                                    "(pip install -e '.[bench]').")
@@ -35,8 +35,8 @@ def register(sub) -> None:
     p.add_argument("--img-size", type=positive_int, default=64,
                    help="memory, universal: input size (model state dominates)")
     p.add_argument("--worlds", help="memory (default 1,2,4), universal (default 2): comma-separated world sizes")
-    p.add_argument("--strategies", help="memory (default ddp,fsdp2,zero1,zero2,zero3), universal (default zero2,zero3): "
-                                        "comma-separated strategies")
+    p.add_argument("--strategies", help="memory (default ddp,fsdp2,zero1,zero2,zero3), universal (default "
+                                        "zero2,zero3): comma-separated strategies")
     p.add_argument("--models", default="convit_small_plus,convit_base_plus", help="mfu: comma-separated models")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="mfu, inference: untimed steps first")
     p.add_argument("--sizes", default="tiny,tiny_plus,small,small_plus,base,base_plus",

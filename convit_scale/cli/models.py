@@ -21,8 +21,9 @@ def model_table_rows() -> list[dict]:
 
 
 def _cmd_models(args) -> int:
-    from ..console import print_table
     from rich.table import Table
+
+    from ..console import print_table
 
     table = Table(title="ConViT / DeiT models (counted from the modules; paper = Table 1)")
     for col in ("model", "heads", "head dim", "width", "GPSA layers", "input", "params (M)", "paper",

@@ -124,6 +124,7 @@ def _gib(x) -> str:
 
 def _memory_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
+
     from ..console import print_table
 
 
@@ -147,6 +148,7 @@ def _name(r: dict) -> str:
 
 def _time_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
+
     from ..console import print_table
 
 
@@ -195,9 +197,9 @@ def _print_loader(cfg, args, world: int, cpus: float | None, cpus_from: str) -> 
 def _slurm_jobs_table(args, links) -> int:
     """One row per Slurm script: its job's shape, the layout it runs and the planner's, with that layout's figures."""
     from rich.table import Table
-    from ..console import print_table
 
     from ..config import load_config
+    from ..console import print_table
     from ..planner import plan, recommend
 
     t = Table(title=f"The Slurm jobs on {args.gpu}, MFU {args.mfu:.0%} (estimates; figures of the recommended layout)")

@@ -72,8 +72,8 @@ def _convert_options(p, fmt: str) -> None:
 def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
     parsers = {}
     p = parsers["ffcv"] = prep_sub.add_parser("ffcv", help="ImageNet-style tree -> FFCV .beton files",
-                                              description="Convert to FFCV: one .beton per split, each JPEG's own bytes "
-                                                          "kept where the loader decodes them as PIL does.")
+                                              description="Convert to FFCV: one .beton per split, each JPEG's own "
+                                                          "bytes kept where the loader decodes them as PIL does.")
     _convert_options(p, "ffcv")
     p.add_argument("--write-mode", default="keep", choices=["keep", "jpg", "raw", "proportion", "smart"],
                    help="keep (each JPEG's own bytes where the loader decodes them to PIL's pixels, the rest as raw "
@@ -83,7 +83,8 @@ def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
     p.add_argument("--jpeg-quality", type=int_between(1, 100), default=90,
                    help="JPEG quality of the images prep encodes, 1..100 (kept JPEGs keep their own)")
     p = parsers["wds"] = prep_sub.add_parser("wds", help="ImageNet-style tree -> WebDataset tar shards",
-                                             description="Convert to WebDataset: tar shards of the original JPEG bytes.")
+                                             description="Convert to WebDataset: tar shards of the original JPEG "
+                                                         "bytes.")
     _convert_options(p, "wds")
     p.add_argument("--shard-size", type=positive_int, default=1000, help="samples per shard")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed before sharding")

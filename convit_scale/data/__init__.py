@@ -1,12 +1,12 @@
 """Loaders (FFCV, WebDataset, ImageFolder) with one contract, the epoch plan, and the DeiT transforms.
 
-``loader.epoch(epoch, start_batch)`` yields ``Batch`` objects (``x, y = batch``; data/batch.py): images float (B, 3, S, S),
-normalised (or, with ``LoaderSpec.augment_on_device``, uint8 crops, for device_augment.py to finish on the training
-device); labels int64 (B,); in training each sample's seed and id; ``len(loader)`` batches per epoch, the same on every
-rank, of which the first ``loader.num_real`` samples count (``geometry.py``). Train epochs follow the canonical layout
-(``geometry.py``): shuffled from the seed with repeated augmentation, whole global batches only, each sample at the same
-place of the same step at any world size, its augmentation seeded by that place, so a run resumed on any number of
-ranks continues bit-identically (up to the reduction order of the gradients).
+``loader.epoch(epoch, start_batch)`` yields ``Batch`` objects (``x, y = batch``; data/batch.py): images float
+(B, 3, S, S), normalised (or, with ``LoaderSpec.augment_on_device``, uint8 crops, for device_augment.py to finish on the
+training device); labels int64 (B,); in training each sample's seed and id; ``len(loader)`` batches per epoch, the same
+on every rank, of which the first ``loader.num_real`` samples count (``geometry.py``). Train epochs follow the canonical
+layout (``geometry.py``): shuffled from the seed with repeated augmentation, whole global batches only, each sample at
+the same place of the same step at any world size, its augmentation seeded by that place, so a run resumed on any number
+of ranks continues bit-identically (up to the reduction order of the gradients).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from ..augment_policy import ALL_OPS, GEOMETRIC_OPS, LEVEL_DENOM, RandAugmentPolicy, unsupported_on_device
 from ..splitmix import draw, keys_of, srl
 
+
 @dataclass(frozen=True)
 class DeviceAugmentConfig:
     """What ``augment_batch`` does: DeiT's defaults (the paper's Section 3) unless told otherwise."""

@@ -14,7 +14,6 @@ import io
 from PIL import Image, UnidentifiedImageError
 
 
-
 class DataError(RuntimeError):
     """Unusable data (missing files, a truncated shard, a manifest mismatch): one line naming the input."""
 

@@ -231,7 +231,8 @@ class SeededCropFlipDecoder(_TimmPixelsDecoder):
 
     def generate_code(self):
         decode_or_next = _decode_or_next(self.memory_read, self.group)
-        scale, log_ratio, flip_prob, kind = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob, self.kind
+        scale, log_ratio, flip_prob, kind = (np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob,
+                                             self.kind)
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]

@@ -132,7 +132,8 @@ class EpochGeometry:
         return eval_positions(self.num_samples, s)[0][first_batch * b:]
 
     def sample_indices(self, epoch: int, repeats: int, first_batch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Map-style formats: (sample index, position) of each view this rank reads in ``epoch`` from ``first_batch``."""
+        """Map-style formats: (sample index, position) of each view this rank reads in ``epoch`` from
+        ``first_batch``."""
         positions = self.positions(first_batch)
         if not self.spec.train:
             return positions, positions

@@ -121,7 +121,8 @@ class PrivateAugment:
             return erase
         if isinstance(t, _DETERMINISTIC):
             return t
-        raise ValueError(f"{type(t).__name__}: no private-generator version of this transform (FFCV train augmentation)")
+        raise ValueError(f"{type(t).__name__}: no private-generator version of this transform "
+                         f"(FFCV train augmentation)")
 
     def __call__(self, img, seed: int):
         """``img`` a PIL image; the steps draw as timm's would after ``seed_host(seed)``."""

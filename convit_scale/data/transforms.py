@@ -25,8 +25,8 @@ from ..config import DataConfig
 def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False):
     """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor."""
     if on_device:
-        primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale), hflip=d.hflip,
-                                         interpolation=d.interpolation, separate=True)
+        primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale),
+                                         hflip=d.hflip, interpolation=d.interpolation, separate=True)
         return Compose([*primary.transforms, MaybePILToTensor()])
     return create_transform(
         input_size=img_size, is_training=True, scale=tuple(d.crop_scale), hflip=d.hflip,

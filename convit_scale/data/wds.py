@@ -205,7 +205,7 @@ class _EvalEpoch(IterableDataset):
                         break
 
     def __iter__(self):
-        ld, s, b = self.loader, self.loader.spec, self.loader.spec.micro_batch_size
+        ld, b = self.loader, self.loader.spec.micro_batch_size
         info = get_worker_info()
         worker, nw = (info.id, info.num_workers) if info else (0, 1)
         role = (worker + self.start_batch) % nw

@@ -50,7 +50,8 @@ def _summary_table(run_dir: Path, out: Path, end: dict, plots: list[str], second
     table.add_row("model / data", f"{cfg['model']['name']} on Fashion-MNIST ({size}x{size}"
                                   f"{f', {patch}x{patch} patches' if patch else ''}), {cfg['parallel']['strategy']}, "
                                   f"{cfg['data']['format']} loader, {len(train[-1]['peak_mem_mb'])} process(es)")
-    table.add_row("top-1 / top-5 (val)", f"{evals[-1]['top1']:.2f} / {evals[-1]['top5']:.2f}  ({evals[-1]['samples']} images)")
+    table.add_row("top-1 / top-5 (val)",
+                  f"{evals[-1]['top1']:.2f} / {evals[-1]['top5']:.2f}  ({evals[-1]['samples']} images)")
     if "best_top1" in evals[-1]:
         table.add_row("best top-1 (epoch)", f"{evals[-1]['best_top1']:.2f} ({evals[-1]['best_epoch']})")
     table.add_row("top-1 per epoch", " ".join(f"{e['top1']:.1f}" for e in evals))
@@ -105,7 +106,8 @@ def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int
             prepare(tree, prepared[fmt], PrepOptions(fmt=fmt, shard_size=500, workers=2))
     seconds["data"] = time.time() - t0
 
-    console.rule(f"2/3 train: the demo recipe (recipes/cpu/demo.yaml), {strategy}, {nproc} process(es), {loader} loader")
+    console.rule(f"2/3 train: the demo recipe (recipes/cpu/demo.yaml), {strategy}, {nproc} process(es), "
+                 f"{loader} loader")
     t1 = time.time()
     end = _finished(run_dir)
     if end is not None:

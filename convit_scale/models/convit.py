@@ -443,7 +443,8 @@ class ConViT(nn.Module):
         keep = u.view(len(self.blocks), 2, -1) < (1.0 - rates).view(-1, 1, 1)
         return keep.to(torch.float32)
 
-    def forward_features(self, x: torch.Tensor, return_layers: bool = False, drop_path_keep: torch.Tensor | None = None):
+    def forward_features(self, x: torch.Tensor, return_layers: bool = False,
+                         drop_path_keep: torch.Tensor | None = None):
         """(B, C, H, W) -> (B, T, D) after the final norm; with ``return_layers`` also every block's
         output (patch tokens only, (B, L, D)), for representation analyses. ``drop_path_keep``: (depth, 2, B) from
         ``drop_path_keep`` (else, in training, drop-path draws from the global generator)."""

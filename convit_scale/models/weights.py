@@ -28,7 +28,9 @@ def _unreadable(e: BaseException) -> str:
     """Why torch.load(weights_only=True) refused a file, without torch's advice to load it unsafely."""
     for line in str(e).splitlines():
         if "Unsupported global:" in line:  # pickled Python objects that a weights-only load does not run
-            return "it pickles Python objects (" + line.split("Unsupported global:", 1)[1].split(" was not")[0].strip().removeprefix("GLOBAL ") + ")"
+            return ("it pickles Python objects ("
+                    + line.split("Unsupported global:", 1)[1].split(" was not")[0].strip().removeprefix("GLOBAL ")
+                    + ")")
     text = str(e)
     if isinstance(e, (KeyError, EOFError)) or "weights_only" in text or "Weights only" in text:
         return "not a torch checkpoint"  # torch's own text advises an unsafe load: not relayed
@@ -44,7 +46,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            raise ValueError(f"{path}: not a readable safetensors file "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                              f"allowed: {WEIGHTS_FILES}") from e
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)

@@ -13,7 +13,6 @@ from .. import comm
 from .base import Strategy, clip_, local_grads, square_sum
 from .dcp import DCPStateMixin
 
-
 # DDP broadcasts module buffers from rank 0 before every synced forward unless told not to; torch 2.14 renamed the
 # switch (``forward_sync_buffers``) and deprecated the old one, which older releases alone know.
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters

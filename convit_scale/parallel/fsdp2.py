@@ -19,7 +19,8 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         p, model = self.p, self.module
         if p.hsdp_replicas > 1:
             if self.world_size % p.hsdp_replicas:
-                raise ValueError(f"parallel.hsdp_replicas = {p.hsdp_replicas} does not divide the world size {self.world_size}")
+                raise ValueError(f"parallel.hsdp_replicas = {p.hsdp_replicas} does not divide the world size "
+                                 f"{self.world_size}")
             mesh = init_device_mesh(self.device.type, (p.hsdp_replicas, self.world_size // p.hsdp_replicas),
                                     mesh_dim_names=("replicate", "shard"))
             # each shard is held by every replica: the first replica alone contributes it to the gradient norm
@@ -31,7 +32,8 @@ class FSDP2Strategy(DCPStateMixin, Strategy):
         if p.precision == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction and master weights
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         elif p.precision == "fp16":
-            raise ValueError("parallel.precision = 'fp16' is not supported with fsdp2; use 'bf16' (or zero1/2/3 for fp16)")
+            raise ValueError("parallel.precision = 'fp16' is not supported with fsdp2; use 'bf16' "
+                             "(or zero1/2/3 for fp16)")
         kwargs = dict(mesh=mesh, reshard_after_forward=p.reshard_after_forward)
         if mp is not None:
             kwargs["mp_policy"] = mp

@@ -14,7 +14,6 @@ import torch
 from .. import comm
 from .base import Strategy
 
-
 # DeepSpeed's own defaults, sized for GPUs (deepspeed/runtime/zero/config.py)
 GPU_DEFAULTS = {"bucket": int(5e8), "overlap_comm": True, "param_persistence_threshold": int(1e5),
                 "prefetch_bucket": int(5e7), "max_live_parameters": int(1e9), "max_reuse_distance": int(1e9),
@@ -184,8 +183,9 @@ def universal_problem(strategy: str, deepspeed_version: str) -> str | None:
     release = tuple(int(x) for x in deepspeed_version.split("+")[0].split(".")[:2])
     if strategy == "zero3" and release < UNIVERSAL_ZERO3_SINCE:
         since = ".".join(map(str, UNIVERSAL_ZERO3_SINCE))
-        return (f"a ZeRO-3 checkpoint converts to DeepSpeed's universal checkpoint with DeepSpeed >= {since} (installed: "
-                f"{deepspeed_version}); upgrade DeepSpeed, or resume on the world size the checkpoint was written on")
+        return (f"a ZeRO-3 checkpoint converts to DeepSpeed's universal checkpoint with DeepSpeed >= {since} "
+                f"(installed: {deepspeed_version}); upgrade DeepSpeed, or resume on the world size the checkpoint "
+                f"was written on")
     return None
 
 
@@ -323,13 +323,15 @@ class ZeroStrategy(Strategy):
                             raise RuntimeError(problem)
                         universal_checkpoint(directory)
                     except Exception as e:  # noqa: BLE001 - every rank raises it below, not only rank 0
-                        error = f"{directory}: DeepSpeed's universal checkpoint conversion failed: {type(e).__name__}: {e}"
+                        error = (f"{directory}: DeepSpeed's universal checkpoint conversion failed: "
+                                 f"{type(e).__name__}: {e}")
                 error = comm.broadcast_object(error, group=group)
             if error is not None:
                 raise RuntimeError(error)
             folder = directory / UNIVERSAL
         config = self._engine._config  # read by load_checkpoint only: set for this load, as the "checkpoint" section's
-        before, config.load_universal_checkpoint = config.load_universal_checkpoint, folder != directory  # load_universal
+        # load_universal
+        before, config.load_universal_checkpoint = config.load_universal_checkpoint, folder != directory
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer over fp32 partitions
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
         try:
@@ -357,7 +359,8 @@ class ZeroStrategy(Strategy):
         import deepspeed
 
         params = list(self._engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self._engine.zero_optimization_stage() == 3):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0,
+                                               enabled=self._engine.zero_optimization_stage() == 3):
             self._engine.module.load_state_dict(state)
 
     def optimizer_tensors(self) -> list[torch.Tensor]:

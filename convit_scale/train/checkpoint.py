@@ -136,9 +136,9 @@ def check_compatible(path: Path, meta: dict, config: dict, world_size: int | Non
     if world_size is not None and str(parallel.get("strategy", "")).startswith("zero") and parallel.get(
             "zero_offload") and meta.get("world_size") != world_size:
         raise CheckpointIncompatible(
-            f"checkpoint {path} holds ZeRO-Offload state (optimizer on the host) of {meta.get('world_size')} ranks, the "
-            f"run has {world_size}: its conversion to DeepSpeed's universal checkpoint is not supported here; resume "
-            f"on {meta.get('world_size')} ranks")
+            f"checkpoint {path} holds ZeRO-Offload state (optimizer on the host) of {meta.get('world_size')} ranks, "
+            f"the run has {world_size}: its conversion to DeepSpeed's universal checkpoint is not supported here; "
+            f"resume on {meta.get('world_size')} ranks")
 
 
 def restarted() -> bool:

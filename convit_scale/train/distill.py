@@ -25,7 +25,6 @@ from ..config import Config, DistillConfig
 from ..evaluation import evaluate
 from ..models.weights import load_timm_model
 
-
 HUB_NAME = re.compile(r"^.+-([0-9a-f]{8,64})\.(?:pth|pt|bin|safetensors)$")
 """torch.hub's naming of published weights: the file name ends with a prefix of its SHA-256 (DeiT's teacher is
 regnety_160-a5fe301d.pth)."""

@@ -67,7 +67,8 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
     results = state.record_eval(epoch, results)  # final and best top-1/top-5
     run.metrics.write({"kind": "eval", "step": state.step, "epoch": epoch, **results})
     log(run.ctx, f"epoch {epoch} step {state.step}: top-1 {results['top1']:.2f} top-5 {results['top5']:.2f} "
-                 f"({results['samples']} images); best top-1 {results['best_top1']:.2f} (epoch {results['best_epoch']})")
+                 f"({results['samples']} images); best top-1 {results['best_top1']:.2f} "
+                 f"(epoch {results['best_epoch']})")
     full = run.strategy.full_state_dict()  # gathered once (collective; rank 0 holds it): the analysis, the best
     stats = epoch_analysis(full, cfg, run.val_loader, run.ctx)
     if stats is not None:

@@ -117,7 +117,8 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
         found = manifest.get("format")
         if found != d.format:
             raise DataError(f"data.{key}: {loc} holds {found} data (manifest.json), data.format = {d.format!r}; "
-                            f"allowed: data.format = {found!r}, or {d.format} data made by `convit-scale prep {d.format}`")
+                            f"allowed: data.format = {found!r}, or {d.format} data made by "
+                            f"`convit-scale prep {d.format}`")
         if split not in manifest.get("splits", {}):
             raise DataError(f"data.{key}: {loc}: manifest has no {split!r} split; allowed: a prep output with {split}/")
         info, n_classes = manifest["splits"][split], len(manifest["classes"])

@@ -172,8 +172,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     if ckpt is not None:
         meta = load_checkpoint(ckpt, strategy)
         state = TrainState.from_meta(meta, accum, ctx.world_size)
-        log(ctx, f"resumed from {ckpt} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}; {why}): "
-                 f"resumed step {state.step} from {meta['world_size']} rank(s) on {ctx.world_size}")
+        log(ctx, f"resumed from {ckpt} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}; "
+                 f"{why}): resumed step {state.step} from {meta['world_size']} rank(s) on {ctx.world_size}")
     on_device = train_loader.spec.augment_on_device
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
               criterion, _mixup(cfg),
