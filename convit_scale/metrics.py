@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .files import write_atomic
+
 FILENAME = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 """In the run folder: the W&B run id, so that a resumed run (a requeue) continues the same W&B run."""
@@ -49,9 +51,7 @@ def truncate_after(run_dir: str | Path, step: int) -> None:
     keep = [line for line in lines if (_parse(line) or {"step": math.inf}).get("step", 0) <= step]
     if len(keep) == len(lines):
         return
-    tmp = path.with_name(FILENAME + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    write_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _finite(value):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .config import ModelConfig, model_options
+from .files import atomic_path
 from .models import create_model, load_pretrained, read_state_dict
 
 
@@ -55,13 +56,12 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     state = consolidate(checkpoint_dir)
     meta = json.loads((checkpoint_dir / "meta.json").read_text())
     created = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder made here
-    tmp = out.with_name(out.name + ".tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(tmp), metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
-        tmp.replace(out)
+        with atomic_path(out) as tmp:
+            save_file(state, str(tmp), metadata={"model": json.dumps(meta["config"]["model"]),
+                                                 "step": str(meta["step"])})
     except BaseException:
-        tmp.unlink(missing_ok=True)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise

@@ -28,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from convit_scale.ffcv_threads import importing_ffcv
+from convit_scale.files import atomic_path, write_json_atomic
 from convit_scale.imagetree import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
 from convit_scale.jpeg import decode_rgb_array
 
@@ -72,12 +73,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _check_one(sample: tuple[str, int, int | None]) -> tuple[str, int, str | None, str | None]:
@@ -142,7 +137,7 @@ def _check_images(samples: list[Sample], out: Path, split: str, opts: PrepOption
                 skipped.append({"path": path, "reason": reason})
             if i % 256 == 0 or i == len(samples):
                 progress.update(task, completed=i, rate=f"{i / max(time.time() - t0, 1e-9):.0f}")
-    _write_json_atomic(cache, {"key": key, "valid": [[s.path, s.label, storage.get(s.path)] for s in valid],
+    write_json_atomic(cache, {"key": key, "valid": [[s.path, s.label, storage.get(s.path)] for s in valid],
                                "skipped": skipped})
     return valid, skipped, storage
 
@@ -151,8 +146,7 @@ def _check_images(samples: list[Sample], out: Path, split: str, opts: PrepOption
 def _write_shard(job: tuple[str, list[tuple[int, str, int]]]) -> tuple[str, str, int]:
     """Write one tar shard (tmp name, then rename). Members: <key>.jpg, <key>.cls."""
     final, items = job
-    tmp = final + ".tmp"
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with atomic_path(final) as tmp, tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
         for key, path, label in items:
             data, reason, _ = load_rgb_jpeg(path)
             if data is None:  # changed since the check phase
@@ -161,7 +155,6 @@ def _write_shard(job: tuple[str, list[tuple[int, str, int]]]) -> tuple[str, str,
                 info = tarfile.TarInfo(f"{key:09d}.{ext}")
                 info.size, info.mtime, info.mode = len(payload), 0, 0o444
                 tar.addfile(info, io.BytesIO(payload))
-    os.replace(tmp, final)
     return final, sha256_file(Path(final)), len(items)
 
 
@@ -204,7 +197,7 @@ def _write_wds(samples: list[Sample], out: Path, split: str, opts: PrepOptions, 
             name = Path(final).name
             files[name] = {"samples": count, "sha256": sha, "per_class": per_class_of[name]}
             done[name] = sha
-            _write_json_atomic(state_file, {"key": key, "done": done})
+            write_json_atomic(state_file, {"key": key, "done": done})
             written += count
             progress.update(task, advance=count, rate=f"{written / max(time.time() - t0, 1e-9):.0f}")
     return dict(sorted(files.items()))
@@ -312,14 +305,13 @@ def _write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions,
     per_class = _per_class([s.label for s in samples])
     if state.get("key") == key and name in state.get("done", {}) and final.is_file():
         return {name: {"samples": len(samples), "sha256": state["done"][name], "per_class": per_class}}
-    tmp = out / (name + ".tmp")
-    writer = DatasetWriter(str(tmp), {"image": _image_field(opts), "label": IntField()}, num_workers=opts.workers)
     print(f"ffcv {split}: writing {len(samples)} images to {final}")
-    writer.from_indexed_dataset(_KeptDataset(samples, storage, opts) if opts.write_mode == "keep"
-                                else _RGBDataset(samples))
-    os.replace(tmp, final)
+    with atomic_path(final) as tmp:
+        writer = DatasetWriter(str(tmp), {"image": _image_field(opts), "label": IntField()}, num_workers=opts.workers)
+        writer.from_indexed_dataset(_KeptDataset(samples, storage, opts) if opts.write_mode == "keep"
+                                    else _RGBDataset(samples))
     sha = sha256_file(final)
-    _write_json_atomic(state_file, {"key": key, "done": {name: sha}})
+    write_json_atomic(state_file, {"key": key, "done": {name: sha}})
     return {name: {"samples": len(samples), "sha256": sha, "per_class": per_class}}
 
 
@@ -458,13 +450,13 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
     check_out(src, out, opts.fmt)
     scanned = _scan(src, opts, classes, all_classes)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(out / OWNER, {"format": opts.fmt, "source": str(src.resolve())})
+    write_json_atomic(out / OWNER, {"format": opts.fmt, "source": str(src.resolve())})
     manifest = {"format": opts.fmt, "source": str(src.resolve()), "options": asdict(opts),
                 "classes": classes, "splits": {}}
     for split, (samples, problems) in scanned.items():
         manifest["splits"][split] = _convert_split(src, out, split, samples, problems, opts)
     (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
-    _write_json_atomic(out / MANIFEST, manifest)
+    write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
 

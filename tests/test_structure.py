@@ -3,18 +3,19 @@ collective in the communication module, short functions.
 
 The layers, from the ground up (a module imports modules of lower layers and of its own unit only):
 
-1. leaves that import nothing of the package: comm, hardware, console, metrics, augment_policy, imagetree, splitmix
-   (the counter-based generator of the augmentation and of drop-path), ffcv_threads, jpeg (shared by the loaders and
-   data_prep/);
-2. the models (drop-path per sample draws from splitmix);
-3. config (the recipe);
-4. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
+1. files: atomic writes and publication (every layer writes files);
+2. leaves that import nothing of the package but files: comm, hardware, console, metrics, augment_policy, imagetree,
+   splitmix (the counter-based generator of the augmentation and of drop-path), ffcv_threads, jpeg (shared by the
+   loaders and data_prep/);
+3. the models (drop-path per sample draws from splitmix);
+4. config (the recipe);
+5. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
    run's model);
-5. evaluation and the planner, over data and strategies;
-6. analysis (which evaluates);
-7. train (which evaluates and analyses every epoch);
-8. bench and experiments (which train);
-9. cli, the command.
+6. evaluation and the planner, over data and strategies;
+7. analysis (which evaluates);
+8. train (which evaluates and analyses every epoch);
+9. bench and experiments (which train);
+10. cli, the command.
 A new module is placed in one of them here, or this test fails.
 """
 
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 
 LAYERS = [
+    ["convit_scale.files"],
     ["convit_scale.comm", "convit_scale.hardware", "convit_scale.console", "convit_scale.metrics",
      "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads", "convit_scale.jpeg",
      "convit_scale.splitmix"],

@@ -3,9 +3,9 @@ format is read from the folder, optionally written to a JSON results file."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..files import write_json_atomic
 from .argtypes import device, non_negative_int, positive_int
 
 FORMAT_HELP = ("ffcv, wds or imagefolder (default: read from --data: its manifest.json's format, or imagefolder "
@@ -35,9 +35,7 @@ def _cmd_eval(args) -> int:
                    "device": str(on), "per_class": per_class}
         path = Path(args.results_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(results, indent=1) + "\n")
-        tmp.replace(path)
+        write_json_atomic(path, results)
         print(f"wrote {path}")
     return 0
 

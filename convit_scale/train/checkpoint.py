@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import comm
+from ..files import publish_dir, recover_swap, write_atomic
 
 PREFIX = "step_"
 
@@ -77,11 +78,10 @@ def choose_checkpoint(root: Path, resume: str) -> tuple[Path | None, str]:
 def _recover_interrupted_swaps(root: Path) -> None:
     """A crash between the two renames of a same-step save (``step_N`` -> ``.old``, ``.tmp`` -> ``step_N``) leaves no
     ``step_N``: publish the complete new one (fsynced, with meta.json) or else put the old one back."""
-    for side in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old"), *root.glob(f"{BEST}.tmp"),
-                 *root.glob(f"{BEST}.old")]:  # a complete new one first
-        final = side.with_suffix("")
-        if not final.exists() and (side / "meta.json").is_file():
-            os.replace(side, final)
+    sides = [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old"), *root.glob(f"{BEST}.tmp"),
+             *root.glob(f"{BEST}.old")]
+    for final in {side.with_suffix("") for side in sides}:
+        recover_swap(final, "meta.json")
 
 
 RESUMABLE = (
@@ -183,26 +183,6 @@ def _step_of(path: Path) -> int:
     return int(name[len(PREFIX):]) if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() else -1
 
 
-def _fsync_tree(path: Path) -> None:
-    """Flush every file under ``path`` and the folders themselves, so that the rename publishes data on disk."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
     """Every rank calls this; rank 0 publishes and prunes."""
     rank = comm.rank()
@@ -219,8 +199,8 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
     comm.barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _publish(tmp, final)
-        _write_atomic(root / LATEST, final.name + "\n")
+        publish_dir(tmp, final)
+        write_atomic(root / LATEST, final.name + "\n")
         for stale in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     comm.barrier()
@@ -235,29 +215,6 @@ BEST = "best"
 ``convit-scale export`` writes it) and ``meta.json``; outside the steps that resume and pruning see."""
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Make the complete folder ``tmp`` (rank 0's, all files written) ``final``: fsynced, then an atomic rename. A
-    ``final`` already there (the same step saved again: a stop signal right after a periodic save; a new best) stays
-    complete until the new one is in place, as ``.old``, which ``_recover_interrupted_swaps`` puts back after a
-    crash between the two renames."""
-    _fsync_tree(tmp)
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)  # the publication: atomic on a POSIX file system
-    _fsync_dir(final.parent)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save_best(root: Path, state: dict | None, meta: dict) -> Path:
     """Every rank calls this; rank 0, which holds the gathered ``state`` (the strategy's ``full_state_dict``),
     writes ``root/best`` in place of the previous best."""
@@ -269,7 +226,7 @@ def save_best(root: Path, state: dict | None, meta: dict) -> Path:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _publish(tmp, final)
+        publish_dir(tmp, final)
     comm.barrier()
     return final
 

@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import re
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from ..config import Config, DistillConfig
 from ..evaluation import evaluate
+from ..files import write_json_atomic
 from ..models.weights import load_timm_model
 
 HUB_NAME = re.compile(r"^.+-([0-9a-f]{8,64})\.(?:pth|pt|bin|safetensors)$")
@@ -65,9 +65,7 @@ def remember_sha256(path: Path, digest: str, cache_dir: Path) -> None:
     """Keep a checked teacher's hash in the run's folder (atomically: ranks may write at once)."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f"{HASH_CACHE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({**_file_key(path), "sha256": digest}))
-    os.replace(tmp, cache_dir / HASH_CACHE)
+    write_json_atomic(cache_dir / HASH_CACHE, {**_file_key(path), "sha256": digest})
 
 
 PINNED_TEACHER_HINT = ("Table 4's teacher is DeiT's RegNetY-16GF, https://dl.fbaipublicfiles.com/deit/"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
+from ..files import write_atomic
 from .distributed import check_world, free_port
 from .engine import exit_status
 from .preflight import preflight
@@ -60,11 +61,7 @@ def write_resolved(cfg: Config) -> Path:
     """The resolved config in the run folder (``config.yaml``), which ranks started by this process load."""
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(cfg.to_yaml())
-    os.replace(tmp, path)
-    return path
+    return write_atomic(out / "config.yaml", cfg.to_yaml())
 
 
 def run_recipe(cfg: Config, nproc: int = 1, env: dict | None = None, in_process: bool = False,
