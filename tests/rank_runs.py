@@ -1,5 +1,5 @@
 """Several recipes one after another in one launch of N ranks: one interpreter start and one process group per
-rank for all of them (``conftest.run_many``). The runs are the engine's own (``exit_status``), which leaves a
+rank for all of them (``support.run_many``). The runs are the engine's own (``exit_status``), which leaves a
 process group it did not start to its caller.
 
     python -m torch.distributed.run --nproc-per-node=N tests/rank_runs.py PLAN.json

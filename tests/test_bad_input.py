@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli, tiny_recipe
+from support import REPO, run_cli, tiny_recipe
 
 from convit_scale.cli import main
 

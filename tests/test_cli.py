@@ -2,7 +2,7 @@
 traceback, before any work starts; `train --resume`; shipped recipes by name."""
 
 import pytest
-from conftest import REPO, run_cli, tiny_recipe, train_here
+from support import REPO, run_cli, tiny_recipe, train_here
 
 from convit_scale.cli import main
 from convit_scale.config import ConfigError, find_recipe, recipe_path

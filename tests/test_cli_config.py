@@ -4,7 +4,7 @@ first argument as before."""
 from __future__ import annotations
 
 import pytest
-from conftest import REPO
+from support import REPO
 
 from convit_scale.cli import main
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from support import REPO
 
 from convit_scale import __version__
 from convit_scale.cli import build_parser, main

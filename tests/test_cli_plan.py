@@ -23,8 +23,8 @@ def one_cpu(monkeypatch):
 
 def test_cpus_per_gpu_come_from_the_job_never_from_this_machine(one_cpu, monkeypatch):
     job = slurm_job_of("recipes/table1/convit_tiny.yaml")
-    assert job.script.name == "convit_ti.sh" and (job.nodes, job.gpus_per_node, job.cpus_per_task) == (1, 8, 10)
-    assert cpus_per_gpu(None, job) == (10.0, "--cpus-per-task of convit_ti.sh")
+    assert job.path.name == "convit_tiny.sh" and (job.nodes, job.gpus_per_node, job.cpus_per_task) == (1, 8, 10)
+    assert cpus_per_gpu(None, job) == (10.0, "--cpus-per-task of convit_tiny.sh")
     assert cpus_per_gpu(3.0, job) == (3.0, "--cpus-per-gpu")
     assert cpus_per_gpu(None, slurm_job_of("recipes/cpu/demo.yaml")) == (None, "")  # no script runs it: no guess
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")  # inside the job's allocation
@@ -50,12 +50,12 @@ def test_bad_slurm_cpus_and_flags_are_refused(monkeypatch, capsys):
 
 
 def test_plan_of_the_4x8_job(one_cpu, capsys):
-    """ConViT-B+ as `sbatch slurm/convit_b_plus.sh` runs it: 4 x 8 GPUs, 10 CPU cores each, whatever this machine has;
-    the recipe's layout is the recommended one, and the layout resharding after forward is slower."""
+    """ConViT-B+ as `sbatch slurm/convit_base_plus.sh` runs it: 4 x 8 GPUs, 10 CPU cores each, whatever this machine
+    has; the recipe's layout is the recommended one, and the layout resharding after forward is slower."""
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--gpu", "h200-141gb"]) == 0
     out = capsys.readouterr().out
-    assert "the job's shape from slurm/convit_b_plus.sh: 4 node(s) x 8 GPUs" in out
-    assert "10 CPU cores per GPU (--cpus-per-task of convit_b_plus.sh)" in out
+    assert "the job's shape from slurm/convit_base_plus.sh: 4 node(s) x 8 GPUs" in out
+    assert "10 CPU cores per GPU (--cpus-per-task of convit_base_plus.sh)" in out
     for layout in ("ddp", "fsdp2", "fsdp2 no-reshard (recipe)", "hsdp 4x8", "hsdp 4x8 no-reshard", "zero3"):
         assert f"│ {layout} " in out
     assert "recommended: fsdp2 no-reshard, the recipe's layout:" in out
@@ -76,10 +76,10 @@ def test_the_multi_node_slurm_jobs_run_the_recommended_layout(capsys):
     assert "The Slurm jobs on h200-141gb" in out and "the teacher's forward is not in the compute" in out
     jobs = [j for j in slurm_jobs() if j.nodes > 1 and j.recipe.startswith(("recipes/table1/", "recipes/table4/"))]
     assert len(jobs) == 8 and {j.nodes for j in jobs} == {2, 4}
-    assert all(j.script.name in out for j in slurm_jobs())
+    assert all(j.path.name in out for j in slurm_jobs())
     for job in jobs:
         rows = plan(load_config(job.recipe), job.nodes, job.gpus_per_node, "h200-141gb",
                     cpus_per_gpu=job.cpus_per_task)
         best = recommend(rows)
         own = [r["layout"] for r in rows if r["recipe_layout"]]
-        assert best["recipe_layout"], (job.script.name, best["layout"], own)
+        assert best["recipe_layout"], (job.path.name, best["layout"], own)

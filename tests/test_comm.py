@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 
-from conftest import REPO, torchrun_cmd
+from support import REPO, torchrun_cmd
 
 
 def test_a_patient_group_waits_past_the_process_groups_timeout(tmp_path):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import REPO
 from rich.console import Console
 from rich.table import Table
+from support import REPO
 
 from convit_scale.cli import main
 from convit_scale.console import fold_table, natural_width

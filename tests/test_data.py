@@ -10,8 +10,8 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_cli, torchrun_cmd
 from PIL import Image
+from support import REPO, run_cli, torchrun_cmd
 
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import losses, tiny_recipe, train_here
+from support import losses, tiny_recipe, train_here
 
 from convit_scale.config import ConfigError, DataConfig, load_config
 from convit_scale.data import LoaderSpec, build_loader

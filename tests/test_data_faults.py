@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_cli, tiny_recipe
+from support import records, run_cli, tiny_recipe
 
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import records, run_cli
+from support import records, run_cli
 
 
 @pytest.mark.slow

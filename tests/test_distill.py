@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import losses, records, run_cli, run_many, tiny_recipe
+from support import losses, records, run_cli, run_many, tiny_recipe
 
 TEACHER = "regnety_002"  # the RegNetY family of the paper's RegNetY-16GF, CPU-sized
 _TEACHER_SHA: dict = {}
@@ -63,7 +63,7 @@ the student agreed with the teacher on 80% of the images, the undistilled one on
 
 @pytest.fixture(scope="module")
 def distill_runs(fm_wds, teacher_file, tmp_path_factory):
-    """Every distillation run of this file in one launch of 2 ranks (``conftest.run_many``), by (strategy, name).
+    """Every distillation run of this file in one launch of 2 ranks (``support.run_many``), by (strategy, name).
 
     What depends on the strategy (the teacher outside the sharded model and its optimizer, the resumed state) is
     checked under FSDP2 and ZeRO-3; the loss's effect and the token variant, which do not, under FSDP2 only; under

@@ -4,7 +4,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import REPO, losses, tiny_recipe
+from support import REPO, losses, tiny_recipe
 
 from convit_scale.train.distributed import free_port
 

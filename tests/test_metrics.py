@@ -174,7 +174,7 @@ def test_only_rank_0_writes(offline, tmp_path):
 @pytest.mark.slow
 def test_a_training_run_logs_to_wandb_what_it_writes_to_metrics_jsonl(offline, fm_tree, tmp_path):
     """The engine's writer built from the recipe (log.wandb): one process, a few steps and an evaluation."""
-    from conftest import run_cli, tiny_recipe
+    from support import run_cli, tiny_recipe
 
     out = tmp_path / "runs" / "tiny"
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, parallel={"strategy": "none"},

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import PY, REPO
+from support import PY, REPO
 
 
 def test_wheel_ships_every_package_and_recipe(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import records, tiny_recipe, train_here
+from support import records, tiny_recipe, train_here
 
 NO_MIX = {"mixup": 0.0, "cutmix": 0.0}
 EXACT = {"name": "convit_nano", "num_classes": 10, "drop_path_rate": 0.0}

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, records, run_ranks, tiny_recipe
+from support import REPO, records, run_ranks, tiny_recipe
 
 from convit_scale.bench.worker import RSS_ENV
 from convit_scale.config import ConfigError, load_config

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 from comm_bytes_worker import ACCUM, LAYOUTS
-from conftest import PY, REPO, tiny_recipe
+from support import PY, REPO, tiny_recipe
 
 from convit_scale.config import load_config
 from convit_scale.planner import STEP_REDUCTION_BYTES, bytes_by_kind, model_facts, sent_bytes, step_collectives

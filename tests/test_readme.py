@@ -9,7 +9,7 @@ import re
 import shlex
 
 import pytest
-from conftest import REPO
+from support import REPO
 
 from convit_scale.cli import build_parser
 from convit_scale.config import load_config

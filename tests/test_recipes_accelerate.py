@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import REPO, records, tiny_recipe
+from support import REPO, records, tiny_recipe
 
 CONFIGS = REPO / "recipes" / "accelerate"
 

@@ -4,17 +4,18 @@ The rehearsal itself (32 ranks, about 8 minutes) is `make rehearsal`, not part o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from support import REPO
 
-from tests.rehearsal import JobShape, Watch, checks, figures, main, read_script
-from tests.slurm_cluster import LocalSlurm, missing_requirements
+from convit_scale.rehearsal.cluster import LocalSlurm, missing_requirements
+from convit_scale.rehearsal.run import JobShape, Watch, checks, figures, main, read_script
 
 
-@pytest.mark.parametrize("script, nodes", [("convit_b_plus.sh", 4), ("deit_b_plus.sh", 4), ("convit_b.sh", 2)])
+@pytest.mark.parametrize("script, nodes", [("convit_base_plus.sh", 4), ("deit_base_plus.sh", 4), ("convit_base.sh", 2)])
 def test_the_job_shape_is_the_scripts_own(script, nodes):
     shape = read_script(REPO / "slurm" / script)
     assert (shape.nodes, shape.tasks_per_node, shape.world) == (nodes, 8, nodes * 8)
@@ -47,7 +48,7 @@ def test_four_nodes_of_eight_run_the_scripts_32_tasks_in_node_blocks(tmp_path):
         pytest.fail(f"cannot start the local Slurm cluster: {why}")
     slurm = LocalSlurm(tmp_path / "slurm", nodes=4, cpus=8, gpus=8).start()
     try:
-        sbatch = "".join(line + "\n" for line in (REPO / "slurm" / "convit_b_plus.sh").read_text().splitlines()
+        sbatch = "".join(line + "\n" for line in (REPO / "slurm" / "convit_base_plus.sh").read_text().splitlines()
                          if line.startswith("#SBATCH") and "--output" not in line)
         job_file = tmp_path / "job.sh"
         job_file.write_text("#!/bin/bash\n" + sbatch + "srun --cpus-per-task=1 bash -c 'echo $SLURM_PROCID "
@@ -96,7 +97,7 @@ def _job(out, losses, restarts, ranks, stop_at=None, lost=0, world=4, world_afte
 
 def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
     """2 nodes x 2 ranks, DDP, 8 steps, stopped after step 3: every check holds, and each fault fails its check."""
-    shape = JobShape(REPO / "slurm" / "convit_b_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
+    shape = JobShape(REPO / "slurm" / "convit_base_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
     blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
     losses = [2.3 - 0.01 * i for i in range(8)]
     files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
@@ -134,7 +135,7 @@ def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
 def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
     """2 nodes x 2 ranks requeued onto 1 node: the losses after the stop may differ by the reduction order (1e-5
     relative), not before it and not more; the steps after the requeue have 2 ranks, and the log says so."""
-    shape = JobShape(REPO / "slurm" / "convit_b_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
+    shape = JobShape(REPO / "slurm" / "convit_base_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
     blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
     losses = [2.3 - 0.01 * i for i in range(8)]
     files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
@@ -167,7 +168,7 @@ def test_the_recipe_takes_whole_groups_on_both_world_sizes(tmp_path):
     """The rehearsal's recipe at 32 ranks requeued onto 24: 96 canonical groups of 2 images, 192 images a step (6 per
     rank, then 8), both world sizes allowed."""
     from convit_scale.config import load_config
-    from tests.rehearsal import write_recipe
+    from convit_scale.rehearsal.run import write_recipe
 
     r = write_recipe(tmp_path / "r.yaml", tmp_path / "data", tmp_path / "out", {"strategy": "fsdp2"}, 8, 32, 24)
     data = load_config(r, []).data
@@ -178,11 +179,10 @@ def test_the_recipe_takes_whole_groups_on_both_world_sizes(tmp_path):
     assert (same.global_batch_size, same.groups) == (64, 32)
 
 
-def test_the_command_runs_from_the_checkout():
-    """`make rehearsal` runs `python -m tests.rehearsal` in the checkout (tests/ is not a package)."""
-    res = subprocess.run([sys.executable, "-m", "tests.rehearsal", "--help"], capture_output=True, text=True, cwd=REPO)
+def test_the_command_runs_from_any_folder(tmp_path):
+    """`make rehearsal` runs `python -m convit_scale.rehearsal`: a tool of the package, which imports nothing of the
+    tests and finds the checkout's slurm/ scripts from any folder."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "convit_scale.rehearsal", "--help"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
     assert res.returncode == 0 and "--signal-at" in res.stdout, res.stderr
-    # what it imports once it runs (the tests' recipe and cluster), outside pytest, whose sys.path differs
-    res = subprocess.run([sys.executable, "-c", "import tests.conftest, tests.slurm_cluster"], capture_output=True,
-                         text=True, cwd=REPO)
-    assert res.returncode == 0, res.stderr

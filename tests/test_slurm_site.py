@@ -8,9 +8,9 @@ import os
 import subprocess
 
 import pytest
-from conftest import REPO, records, tiny_recipe
+from support import REPO, records, tiny_recipe
 
-from tests.slurm_cluster import CPU_SBATCH
+from convit_scale.rehearsal.cluster import CPU_SBATCH
 
 VENV_PY = os.environ.get("PYTHON", str(REPO / ".venv" / "bin" / "python"))
 

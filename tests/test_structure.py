@@ -4,9 +4,9 @@ collective in the communication module, short functions.
 The layers, from the ground up (a module imports modules of lower layers and of its own unit only):
 
 1. files: atomic writes and publication (every layer writes files);
-2. leaves that import nothing of the package but files: comm, hardware, console, metrics, augment_policy, imagetree,
-   splitmix (the counter-based generator of the augmentation and of drop-path), ffcv_threads, jpeg (shared by the
-   loaders and data_prep/);
+2. leaves that import nothing of the package but files: comm, slurm_scripts (the #SBATCH reader), hardware,
+   console, metrics, augment_policy, imagetree, splitmix (the counter-based generator of the augmentation and of
+   drop-path), ffcv_threads, jpeg (shared by the loaders and data_prep/);
 3. the models (drop-path per sample draws from splitmix);
 4. config (the recipe);
 5. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
@@ -14,7 +14,7 @@ The layers, from the ground up (a module imports modules of lower layers and of 
 6. evaluation and the planner, over data and strategies;
 7. analysis (which evaluates);
 8. train (which evaluates and analyses every epoch);
-9. bench and experiments (which train);
+9. bench, experiments and the rehearsal (which train);
 10. cli, the command.
 A new module is placed in one of them here, or this test fails.
 """
@@ -30,8 +30,8 @@ ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 
 LAYERS = [
     ["convit_scale.files"],
-    ["convit_scale.comm", "convit_scale.hardware", "convit_scale.console", "convit_scale.metrics",
-     "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads", "convit_scale.jpeg",
+    ["convit_scale.comm", "convit_scale.slurm_scripts", "convit_scale.hardware", "convit_scale.console",
+     "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads", "convit_scale.jpeg",
      "convit_scale.splitmix"],
     ["convit_scale.models"],
     ["convit_scale.config"],
@@ -39,7 +39,7 @@ LAYERS = [
     ["convit_scale.evaluation", "convit_scale.planner"],
     ["convit_scale.analysis"],
     ["convit_scale.train"],
-    ["convit_scale.bench", "convit_scale.experiments"],
+    ["convit_scale.bench", "convit_scale.experiments", "convit_scale.rehearsal"],
     ["convit_scale.cli"],
 ]
 PACKAGE_FACE = "convit_scale"  # convit_scale/__init__.py re-exports the public names
@@ -172,8 +172,9 @@ def test_no_function_is_longer_than_80_lines():
     assert not long, "functions over 80 lines:\n" + "\n".join(long)
 
 
-LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_scale/config.py", "convit_scale/cli/")
-"""What the command line imports before it knows the command (``--help`` answers without torch), and the recipe that
+LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_scale/config.py", "convit_scale/cli/",
+         "convit_scale/rehearsal/run.py")
+"""What the command lines import before they know the command (``--help`` answers without torch), and the recipe that
 the Slurm scripts read in the batch shell: these may import heavy modules inside functions."""
 LAZY = ("deepspeed", "ffcv", "numba", "cv2", "tensorboard", "torch.utils.tensorboard", "wandb", "sklearn", "matplotlib",
         "torch._dynamo", "torch.distributed.fsdp")

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import tiny_recipe, train_here
+from support import tiny_recipe, train_here
 
 from convit_scale.train.checkpoint import CheckpointIncompatible, check_compatible, choose_checkpoint
 

@@ -27,7 +27,7 @@ def teacher(tmp_path_factory):
 
 
 def _recipe(tmp_path, data, teacher, **distill_keys):
-    from conftest import tiny_recipe
+    from support import tiny_recipe
 
     return tiny_recipe(tmp_path / "r.yaml", "wds", data, tmp_path / "run",
                        distill={"enabled": True, "teacher_model": TEACHER, "teacher_checkpoint": str(teacher),

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, losses, records, run_many, tiny_recipe, train_here
+from support import REPO, losses, records, run_many, tiny_recipe, train_here
 
 from convit_scale.config import load_config
 
@@ -162,7 +162,7 @@ def test_a_world_size_that_cannot_take_whole_canonical_groups_is_refused_before_
 
 
 def test_a_slurm_job_given_a_node_count_its_groups_do_not_allow_is_refused_before_srun(tmp_path):
-    """``sbatch --nodes=2-4 slurm/convit_b_plus.sh`` started on 3 nodes of 8: 24 ranks cannot share ConViT-B+'s 32
+    """``sbatch --nodes=2-4 slurm/convit_base_plus.sh`` started on 3 nodes of 8: 24 ranks cannot share ConViT-B+'s 32
     canonical groups; the batch shell says so in one line and exits 2 before any srun (no Slurm needed to see it)."""
     env = {**os.environ, "RECIPE": str(REPO / "recipes/table1/convit_base_plus.yaml"),
            "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1",

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, losses, ranks_cmd, records, run_many, tiny_recipe, train_here
+from support import REPO, losses, ranks_cmd, records, run_many, tiny_recipe, train_here
 
 from convit_scale.models import create_model
 

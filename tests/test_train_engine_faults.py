@@ -5,7 +5,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import PY, REPO, records, run_many, tiny_recipe, train_here
+from support import PY, REPO, records, run_many, tiny_recipe, train_here
 
 EXACT = {"drop_path_rate": 0.0}
 NO_MIX = {"mixup": 0.0, "cutmix": 0.0}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import records, tiny_recipe, train_here
+from support import records, tiny_recipe, train_here
 from torch.overrides import TorchFunctionMode
 
 import convit_scale

@@ -9,41 +9,15 @@ never the cores of the machine the plan runs on (a login node, a laptop).
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..slurm_scripts import SlurmScript, job_scripts
 from .argtypes import fraction, positive_float, positive_int, recipe
 
 
-@dataclass(frozen=True)
-class SlurmJob:
-    script: Path
-    recipe: str  # as the script names it: recipes/table1/convit_base_plus.yaml
-    nodes: int
-    gpus_per_node: int
-    cpus_per_task: int
-
-
-def _sbatch(text: str, option: str, default: int) -> int:
-    m = re.search(rf"^#SBATCH\s+--{option}=(\d+)", text, re.MULTILINE)
-    return int(m.group(1)) if m else default
-
-
-def slurm_jobs(folder: Path | None = None) -> list[SlurmJob]:
-    """The jobs of slurm/*.sh: each script's recipe and its #SBATCH shape (the checkout's slurm/, else ./slurm)."""
-    if folder is None:
-        folder = Path(__file__).resolve().parents[2] / "slurm"
-        folder = folder if folder.is_dir() else Path("slurm")
-    jobs = []
-    for script in sorted(folder.glob("*.sh")):
-        text = script.read_text()
-        m = re.search(r"RECIPE=\$\{RECIPE:-([^}]+)\}", text)
-        if m:
-            jobs.append(SlurmJob(script, m.group(1), _sbatch(text, "nodes", 1),
-                                 _sbatch(text, "gpus-per-node", _sbatch(text, "ntasks-per-node", 1)),
-                                 _sbatch(text, "cpus-per-task", 1)))
-    return jobs
+def slurm_jobs() -> list[SlurmScript]:
+    """The job scripts of slurm/ that run a recipe of their own (``slurm_scripts.job_scripts``)."""
+    return job_scripts()
 
 
 def _tail(path: str | Path) -> tuple[str, ...]:
@@ -52,12 +26,12 @@ def _tail(path: str | Path) -> tuple[str, ...]:
     return parts[len(parts) - 1 - parts[::-1].index("recipes"):] if "recipes" in parts else parts
 
 
-def slurm_job_of(recipe_path: str) -> SlurmJob | None:
+def slurm_job_of(recipe_path: str) -> SlurmScript | None:
     """The Slurm script that runs this recipe, if one does."""
     return next((j for j in slurm_jobs() if _tail(j.recipe) == _tail(Path(recipe_path).resolve())), None)
 
 
-def cpus_per_gpu(flag: float | None, job: SlurmJob | None) -> tuple[float | None, str]:
+def cpus_per_gpu(flag: float | None, job: SlurmScript | None) -> tuple[float | None, str]:
     """The loader's CPU cores per GPU and where they come from: the flag, the Slurm allocation this runs in
     (``SLURM_CPUS_PER_TASK``, one task per GPU), the recipe's Slurm script, else none."""
     if flag:
@@ -69,7 +43,7 @@ def cpus_per_gpu(flag: float | None, job: SlurmJob | None) -> tuple[float | None
         except ValueError:
             raise ValueError(f"SLURM_CPUS_PER_TASK = {slurm!r} is not a number; pass --cpus-per-gpu N") from None
     if job is not None:
-        return float(job.cpus_per_task), f"--cpus-per-task of {job.script.name}"
+        return float(job.cpus_per_task), f"--cpus-per-task of {job.path.name}"
     return None, ""
 
 
@@ -88,7 +62,7 @@ def _cmd_plan(args) -> int:
     gpus = args.gpus_per_node or (job.gpus_per_node if job else 8)
     cpus, cpus_from = cpus_per_gpu(args.cpus_per_gpu, job)
     if job and not args.nodes and not args.gpus_per_node:
-        print(f"the job's shape from slurm/{job.script.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
+        print(f"the job's shape from slurm/{job.path.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
     _print_plan(cfg, args, nodes, gpus, links, cpus)
     _print_links(args.gpu, links)
     _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
@@ -213,8 +187,8 @@ def _slurm_jobs_table(args, links) -> int:
         rows = plan(cfg, job.nodes, job.gpus_per_node, args.gpu, args.mfu, links=links, cpus_per_gpu=cpus)
         best, own = recommend(rows), next(r for r in rows if r["recipe_layout"])
         if cfg.distill.enabled:
-            distilled.append(job.script.name)
-        t.add_row(job.script.name, f"{job.nodes} x {job.gpus_per_node}", own["layout"],
+            distilled.append(job.path.name)
+        t.add_row(job.path.name, f"{job.nodes} x {job.gpus_per_node}", own["layout"],
                   "none fits" if best is None else ("same" if best is own else best["layout"]),
                   *(["-"] * 8 if best is None else
                     [_ms(best["compute_s"]), _ms(best["comm_s"]), _ms(best["exposed_s"]), _ms(best["loader_s"]),

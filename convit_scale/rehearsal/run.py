@@ -1,9 +1,9 @@
 """The rehearsal: a Table 1 Slurm script's multi-node job at its real rank count, end to end, on this machine.
 
-    python -m tests.rehearsal [--script slurm/convit_b_plus.sh] [--out runs/rehearsal] [overrides ...]
+    python -m convit_scale.rehearsal [--script slurm/convit_base_plus.sh] [--out runs/rehearsal] [overrides ...]
 
-starts the local Slurm cluster (tests/slurm_cluster.py) with the script's nodes, each declaring as many CPUs and
-count-only GPUs as the script has tasks per node (4 x 8 for convit_b_plus.sh), and submits the script itself: its
+starts the local Slurm cluster (cluster.py) with the script's nodes, each declaring as many CPUs and
+count-only GPUs as the script has tasks per node (4 x 8 for convit_base_plus.sh), and submits the script itself: its
 #SBATCH shape, ``slurm/launch.sh``, one interpreter per rank (srun). Only the CPUs per task (1) and the recipe
 change: a tiny ConViT on Fashion-MNIST WebDataset shards from ``data_prep``, ``data.num_workers: 0``, and the
 parallel layout of the script's own recipe (by default with HSDP replicas = nodes; overrides after the options
@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from .. import slurm_scripts
+
+REPO = Path(__file__).resolve().parents[2]
 TRAIN_PER_CLASS, VAL_PER_CLASS = 50, 20  # 500 and 200 images: not multiples of 32 or 24 ranks, so the epochs pad
 POLL_S = 0.2
 
@@ -60,14 +61,13 @@ def read_script(script: Path) -> JobShape:
     """The job shape of a slurm/*.sh wrapper: --nodes, --ntasks-per-node, --signal and its RECIPE default."""
     if not script.is_file():
         raise Refused(f"--script {script}: no such file; allowed: one of slurm/*.sh")
-    text = script.read_text()
-    opts = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
-    recipe = re.search(r"RECIPE=\$\{RECIPE:-([^}]+)\}", text)
-    missing = [k for k in ("nodes", "ntasks-per-node", "signal") if k not in opts] + ([] if recipe else ["RECIPE"])
+    found = slurm_scripts.read_script(script)
+    missing = [k for k in ("nodes", "ntasks-per-node", "signal") if not found.options.get(k)]
+    missing += [] if found.recipe else ["RECIPE"]
     if missing:
         raise Refused(f"--script {script}: no {', '.join(missing)} in it; allowed: a slurm/*.sh wrapper of launch.sh "
                       f"with #SBATCH --nodes, --ntasks-per-node and --signal")
-    return JobShape(script, recipe.group(1), int(opts["nodes"]), int(opts["ntasks-per-node"]), opts["signal"])
+    return JobShape(script, found.recipe, found.nodes, found.tasks_per_node, found.options["signal"])
 
 
 def prepare_data(root: Path) -> Path:
@@ -112,21 +112,28 @@ def canonical_groups(*worlds: int) -> int:
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int,
                  requeue_world: int | None = None) -> Path:
-    """The tiny recipe (tests/conftest.py's) at the job's world size: as many canonical groups as both world sizes
-    take whole, 2 images each (Mixup/CutMix pair a group's images): 32 ranks, 32 groups, global batch 64, 7 steps an
-    epoch; 32 ranks requeued onto 24, 96 groups, global batch 192, 2 steps an epoch. Every step logged, a checkpoint
-    every epoch."""
-    from tests.conftest import tiny_recipe
+    """The rehearsal's recipe at the job's world size: convit_nano on the Fashion-MNIST shards, as many canonical
+    groups as both world sizes take whole, 2 images each (Mixup/CutMix pair a group's images): 32 ranks, 32 groups,
+    global batch 64, 7 steps an epoch; 32 ranks requeued onto 24, 96 groups, global batch 192, 2 steps an epoch.
+    Every step logged, a checkpoint every epoch, the script's recipe's parallel layout (``layout``)."""
+    import yaml
 
-    groups = canonical_groups(world, requeue_world or world)
-    batch = 2 * groups
-    recipe = tiny_recipe(path, "wds", data, out, data={"global_batch_size": batch, "canonical_groups": groups},
-                         schedule={"epochs": 20, "warmup_epochs": 1, "max_steps": steps},
-                         checkpoint={"every_epochs": 1, "keep_last": 4}, parallel=parallel)
     from convit_scale.config import load_config
 
-    load_config(recipe, [])  # refuses a bad override now, with the key, not in 32 ranks' logs
-    return recipe
+    groups = canonical_groups(world, requeue_world or world)
+    recipe = {
+        "model": {"name": "convit_nano", "num_classes": 10, "drop_path_rate": 0.1},
+        "data": {"format": "wds", "train_path": str(data), "val_path": str(data), "global_batch_size": 2 * groups,
+                 "canonical_groups": groups, "eval_batch_size": 50, "num_workers": 0, "repeated_aug": 1},
+        "schedule": {"epochs": 20, "warmup_epochs": 1, "max_steps": steps},
+        "parallel": parallel,
+        "checkpoint": {"every_epochs": 1, "keep_last": 4},
+        "log": {"every_steps": 1, "progress": False},
+        "run": {"output_dir": str(out)},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    load_config(path, [])  # refuses a bad override now, with the key, not in 32 ranks' logs
+    return path
 
 
 @dataclass
@@ -419,8 +426,8 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
 
 # -- the command -----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tests.rehearsal", description=__doc__.split("\n\n")[0])
-    p.add_argument("--script", default="slurm/convit_b_plus.sh", help="the Slurm script whose job shape runs")
+    p = argparse.ArgumentParser(prog="python -m convit_scale.rehearsal", description=__doc__.split("\n\n")[0])
+    p.add_argument("--script", default="slurm/convit_base_plus.sh", help="the Slurm script whose job shape runs")
     p.add_argument("--out", default="runs/rehearsal", help="data, both jobs' run folders and logs, rehearsal.json")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps of each job")
     p.add_argument("--signal-at", type=int, default=2, help="send the pre-timeout signal once this step is logged")
@@ -441,7 +448,7 @@ def _refuse_bad_input(args, shape: JobShape) -> None:
         args.requeue_nodes = max(1, shape.nodes - 1)
     if not 1 <= args.requeue_nodes <= shape.nodes:
         raise Refused(f"--requeue-nodes {args.requeue_nodes}: allowed: 1 to the script's {shape.nodes} nodes")
-    from tests.slurm_cluster import missing_requirements
+    from .cluster import missing_requirements
 
     why = missing_requirements()
     if why:
@@ -452,7 +459,7 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
     """Both jobs on a fresh local cluster; the JSON report (raises JobFailed with the log's tail)."""
     import shutil
 
-    from tests.slurm_cluster import LocalSlurm
+    from .cluster import LocalSlurm
 
     out = (REPO / args.out).resolve()
     t0, load_before = time.time(), round(os.getloadavg()[0], 1)

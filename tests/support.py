@@ -1,0 +1,107 @@
+"""What several test files use: the tests' tiny recipe, and the ways to run it (in this process, on N local ranks
+started by torchrun, several runs in one launch, the `convit-scale` command). Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from convit_scale.metrics import read_records
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def tiny_recipe(path: Path, fmt: str, data_dir: Path, out: Path, **sections) -> Path:
+    """A CPU recipe on the embedded data; ``sections`` override whole keys ({'parallel': {...}})."""
+    import yaml
+
+    recipe = {
+        "model": {"name": "convit_nano", "num_classes": 10, "drop_path_rate": 0.1},
+        "data": {"format": fmt, "train_path": str(data_dir), "val_path": str(data_dir), "global_batch_size": 32,
+                 "eval_batch_size": 50, "num_workers": 0, "repeated_aug": 1},
+        "schedule": {"epochs": 2, "warmup_epochs": 1},
+        "parallel": {"strategy": "fsdp2", "precision": "fp32", "timeout_s": 60},
+        "log": {"every_steps": 1, "progress": False},
+        "run": {"output_dir": str(out)},
+    }
+    for section, values in sections.items():
+        recipe.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([PY, "-m", "convit_scale.cli", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+
+
+def run_ranks(recipe: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    """The recipe on ``nproc`` local ranks started by torchrun: ``python -m convit_scale.train``, the entry point
+    that torchrun, srun and accelerate launch (rank 0 runs the preflight). The same run as ``convit-scale train
+    --nproc-per-node``, without that command's own process, whose start-up (importing torch and timm, ~7 s on
+    2 cores) comes before the ranks'; the tests of the command itself (refusals before any process, signals,
+    exit statuses) use ``run_cli``."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(ranks_cmd(recipe, *overrides, nproc=nproc), capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+
+
+def train_here(recipe: Path, *overrides: str, env: dict | None = None) -> int:
+    """The recipe on one rank in this process (a one-process gloo group), for what needs no second rank: no
+    interpreter start-up. Returns the exit status ``python -m convit_scale.train`` would have; ``env`` is set for
+    the run only (fault injection is read at set-up)."""
+    from convit_scale.config import load_config
+    from convit_scale.train.engine import exit_status
+
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return exit_status(load_config(recipe, list(overrides)))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_many(runs: list[dict], folder: Path, nproc: int = 2, timeout: int = 1200) -> list[int]:
+    """Several runs ({"recipe", "overrides", "env"}) one after another in one launch of ``nproc`` ranks
+    (tests/rank_runs.py): the ranks start once for all of them. Returns each run's exit status; their log lines are
+    in ``folder/output.txt``."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = folder / "plan.json"
+    plan.write_text(json.dumps([{"overrides": [], "env": {}, **r, "recipe": str(r["recipe"])} for r in runs]))
+    res = subprocess.run(torchrun_cmd(nproc, str(REPO / "tests" / "rank_runs.py"), str(plan)), capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    (folder / "output.txt").write_text(res.stdout)  # the runs' log lines, one after another
+    return json.loads((folder / "statuses_rank0.json").read_text())
+
+
+def torchrun_cmd(nproc: int, *program: str) -> list[str]:
+    """torchrun on this machine (static rendezvous on a free port) running ``program`` (a script and its
+    arguments, or ``-m module ...``): the one place the tests build a torchrun command line."""
+    from convit_scale.train.distributed import free_port
+
+    return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *program]
+
+
+def ranks_cmd(recipe: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    return torchrun_cmd(nproc, "-m", "convit_scale.train", "--recipe", str(recipe), *overrides)
+
+
+def records(out: Path, kind: str = "train") -> list[dict]:
+    return read_records(out, kind)
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in records(out)]
