@@ -51,11 +51,6 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def all_reduce_max(flag: bool | float) -> float:
-    """The maximum of a host value over ranks (a host synchronisation: for set-up and rare events only)."""
-    return all_reduce(torch.tensor([float(flag)], dtype=torch.float64), "max").item()
-
-
 def all_gather_object(obj) -> list:
     """``obj`` of every rank, in rank order."""
     if not is_initialized():

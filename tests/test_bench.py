@@ -12,7 +12,7 @@ from convit_scale.bench import distill, memory, model, worker
 from convit_scale.config import load_config
 from convit_scale.hardware import GPUS, peak_tflops_of
 from convit_scale.parallel.zero import deepspeed_config
-from convit_scale.train.distill import DistillLoss
+from convit_scale.train.loss import DistillLoss
 
 
 def test_one_gpu_table_for_planner_and_mfu():

@@ -168,7 +168,7 @@ def test_soft_distillation_is_deits_formula(teacher_file):
     from safetensors.torch import load_file
 
     from convit_scale.config import DistillConfig
-    from convit_scale.train.distill import DistillLoss
+    from convit_scale.train.loss import DistillLoss
 
     teacher = timm.create_model(TEACHER, num_classes=10)
     teacher.load_state_dict(load_file(str(teacher_file)))

@@ -7,7 +7,7 @@ import timm
 import torch
 
 from convit_scale import create_model, list_models
-from convit_scale.models import MODELS, PAPER_MODELS, CheckpointMismatch, load_pretrained, relative_positions
+from convit_scale.models import MODELS, PAPER_MODELS, WeightsMismatch, load_pretrained, relative_positions
 from convit_scale.models.convit import GPSA
 
 
@@ -155,7 +155,7 @@ def test_mismatched_state_dict_is_refused_whole():
     bad.pop("head.bias")
     bad["blocks.0.attn.bogus"] = torch.zeros(1)
     bad["norm.weight"] = torch.zeros(7)
-    with pytest.raises(CheckpointMismatch) as e:
+    with pytest.raises(WeightsMismatch) as e:
         load_pretrained(model, bad)
     msg = str(e.value)
     assert "head.bias" in msg and "blocks.0.attn.bogus" in msg and "norm.weight" in msg

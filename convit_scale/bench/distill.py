@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..config import DistillConfig
 from ..models import MODELS, create_model
-from ..train.distill import DistillLoss
+from ..train.loss import DistillLoss
 from .worker import Workload, run_worker, timed_step
 
 STUDENT, TEACHER = "convit_small_plus", "regnety_160"  # Table 4: ConViT-S+ taught by RegNetY-16GF

@@ -80,9 +80,9 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
     from ..config import ConfigError
     from ..data import DataError
-    from ..models.weights import CheckpointMismatch
+    from ..models.weights import WeightsMismatch
 
-    return (UsageError, ConfigError, DataError, PrepError, CheckpointMismatch, FileNotFoundError, ValueError)
+    return (UsageError, ConfigError, DataError, PrepError, WeightsMismatch, FileNotFoundError, ValueError)
 
 
 def _one_line(e: BaseException) -> str:

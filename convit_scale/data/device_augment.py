@@ -219,13 +219,13 @@ def sample_plan(seeds: torch.Tensor, cfg: DeviceAugmentConfig, height: int, widt
 # The ops, on float32 images holding uint8 values (n, 3, H, W) and one float64 argument per sample (n,)
 # ---------------------------------------------------------------------------------------------------------
 
-def _per_sample(arg: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def _per_image(arg: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return arg.to(dtype).view(-1, 1, 1, 1)
 
 
 def _blend(degenerate: torch.Tensor, img: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """PIL's Image.blend(degenerate, img, factor): float32 arithmetic, clipped, truncated to uint8."""
-    return (degenerate + _per_sample(factor) * (img - degenerate)).clamp(0.0, 255.0).floor()
+    return (degenerate + _per_image(factor) * (img - degenerate)).clamp(0.0, 255.0).floor()
 
 
 def _luma(img: torch.Tensor) -> torch.Tensor:
@@ -269,17 +269,17 @@ def _invert(img, _arg):
 
 def _posterize(img, bits):
     # ImageOps.posterize: keep the top `bits` bits; bits 0 gives black (Pillow < 13; Pillow 13 refuses 0)
-    quantum = torch.pow(2.0, 8 - _per_sample(bits)).to(img.dtype)
+    quantum = torch.pow(2.0, 8 - _per_image(bits)).to(img.dtype)
     out = torch.floor(img / quantum) * quantum
-    return torch.where(_per_sample(bits) >= 8, img, out)
+    return torch.where(_per_image(bits) >= 8, img, out)
 
 
 def _solarize(img, threshold):
-    return torch.where(img < _per_sample(threshold), img, 255.0 - img)
+    return torch.where(img < _per_image(threshold), img, 255.0 - img)
 
 
 def _solarize_add(img, add):
-    return torch.where(img < 128, (img + _per_sample(add)).clamp(max=255.0), img)
+    return torch.where(img < 128, (img + _per_image(add)).clamp(max=255.0), img)
 
 
 def _color(img, factor):

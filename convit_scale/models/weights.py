@@ -17,7 +17,7 @@ from timm.layers import resample_abs_pos_embed
 from .convit import ConViT
 
 
-class CheckpointMismatch(ValueError):
+class WeightsMismatch(ValueError):
     """A state dict whose keys or shapes do not match the model."""
 
 WEIGHTS_FILES = "a .safetensors file or a .pth/.pt/.bin state dict of tensors"
@@ -82,7 +82,7 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], model: ConViT) -> di
         n_prefix = next(c for c in ((2, 0) if "dist_token" in sd else (1, 0)) if _is_square(n_pos - c))
         if n_prefix:
             if model.local_up_to_layer != 0:
-                raise CheckpointMismatch(
+                raise WeightsMismatch(
                     "position embedding covers class tokens (a DeiT checkpoint), but the model has "
                     f"{model.local_up_to_layer} GPSA layers: load it into a deit_* model"
                 )
@@ -107,7 +107,7 @@ def _first(items: list[str], sep: str, n: int = 8) -> str:
 
 
 def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: str = "state dict") -> None:
-    """Raise ``CheckpointMismatch`` naming every missing, unexpected or mis-shaped key."""
+    """Raise ``WeightsMismatch`` naming every missing, unexpected or mis-shaped key."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
@@ -124,7 +124,7 @@ def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, what: 
             parts.append(f"unexpected keys ({len(unexpected)}): {_first(unexpected, ', ')}")
         if shapes:
             parts.append(f"shape mismatches ({len(shapes)}): {_first(shapes, '; ')}")
-        raise CheckpointMismatch(f"{what} does not match the model: " + " | ".join(parts))
+        raise WeightsMismatch(f"{what} does not match the model: " + " | ".join(parts))
 
 
 def load_pretrained(model: ConViT, source: str | Path | dict[str, torch.Tensor]) -> ConViT:

@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, DistillConfig
@@ -114,36 +113,6 @@ def load_teacher(cfg: Config, device: torch.device) -> nn.Module:
     if device.type == "cuda" and cfg.parallel.precision != "fp32":
         teacher = teacher.to(torch.bfloat16)
     return teacher
-
-
-class DistillLoss:
-    """(1 - alpha) x base(student, mixed labels) + alpha x distillation term.
-
-    hard: CE(student, argmax teacher(x)); soft: KL at temperature tau (DeiT's formula).
-    With a distillation token the student returns (class logits, distillation logits): the first
-    learns from the labels, the second from the teacher.
-    """
-
-    def __init__(self, base, teacher: nn.Module, d: DistillConfig, precision: str = "fp32"):
-        self.base, self.teacher, self.d, self.precision = base, teacher, d, precision
-
-    @torch.no_grad()
-    def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
-        self.teacher.eval()  # never in train mode, whatever the caller does
-        dtype = next(self.teacher.parameters()).dtype
-        return self.teacher(x.to(dtype)).float()
-
-    def __call__(self, x: torch.Tensor, logits, target: torch.Tensor) -> torch.Tensor:
-        cls_logits, dist_logits = logits if isinstance(logits, tuple) else (logits, logits)
-        t = self.teacher_logits(x)
-        base = self.base(cls_logits, target)
-        if self.d.type == "hard":
-            dist = F.cross_entropy(dist_logits, t.argmax(dim=1))
-        else:
-            tau = self.d.tau
-            dist = F.kl_div(F.log_softmax(dist_logits / tau, dim=1), F.log_softmax(t / tau, dim=1),
-                            reduction="sum", log_target=True) * (tau * tau) / dist_logits.numel()
-        return (1 - self.d.alpha) * base + self.d.alpha * dist
 
 
 TEACHER_CHECK_IMAGES = 5000

@@ -15,7 +15,7 @@ import sys
 from .. import comm
 from ..config import Config
 from ..data import DataError
-from ..models.weights import CheckpointMismatch
+from ..models.weights import WeightsMismatch
 from .distributed import init_distributed
 from .loop import fit
 from .setup import setup
@@ -39,7 +39,7 @@ def train(cfg: Config) -> str:
     try:
         try:
             run, state = setup(cfg, ctx, stop)
-        except (DataError, FileNotFoundError, CheckpointMismatch, ValueError) as e:
+        except (DataError, FileNotFoundError, WeightsMismatch, ValueError) as e:
             raise SetupRefused(str(e)) from e
         try:
             return fit(run, state)

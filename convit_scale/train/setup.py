@@ -4,13 +4,10 @@ loaders -> model -> strategy -> loss (and teacher) -> resume -> ``Run``, which t
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from timm.loss import SoftTargetCrossEntropy
 
 from ..config import Config, model_options
 from ..data import DataError, Loader, LoaderSpec, build_loader
@@ -23,8 +20,9 @@ from ..models.weights import check_state_dict, convert_state_dict, read_state_di
 from ..parallel import Strategy, build_strategy, preload
 from .checkpoint import check_compatible, choose_checkpoint, load_checkpoint, read_meta
 from .debug import Faults, checksum
-from .distill import DistillLoss, check_teacher, load_teacher
+from .distill import check_teacher
 from .distributed import DistContext, check_world
+from .loss import Criterion, build_criterion
 from .memory import peak_memory_mb, reset_peak_memory
 from .optim import build_optimizer
 from .schedule import peak_lr
@@ -50,8 +48,8 @@ class Run:
     train_loader: Loader
     val_loader: Loader | None
     strategy: Strategy
-    criterion: Callable[[torch.Tensor, torch.Tensor | tuple, torch.Tensor], torch.Tensor]
-    """(images, logits, targets) -> loss; the images feed a distillation teacher."""
+    criterion: Criterion
+    """(images, logits, targets) -> loss (loss.py); the images feed a distillation teacher."""
     mixup: GroupMixup | None
     """Mixup/CutMix per canonical group (None when both are off)."""
     metrics: MetricsWriter
@@ -79,21 +77,6 @@ def build_model(cfg: Config, meta: bool = False):
     elif cfg.model.pretrained:
         load_pretrained(model, cfg.model.pretrained)
     return model
-
-
-def _loss_fn(cfg: Config):
-    if cfg.data.mixup > 0 or cfg.data.cutmix > 0:
-        return SoftTargetCrossEntropy()  # targets from Mixup already carry the label smoothing
-    return lambda logits, y: F.cross_entropy(logits, y, label_smoothing=cfg.data.label_smoothing)
-
-
-def _criterion(cfg: Config, device: torch.device):
-    """(criterion(x, logits, target), teacher or None)."""
-    if not cfg.distill.enabled:
-        base_loss = _loss_fn(cfg)
-        return (lambda x, logits, y: base_loss(logits, y)), None
-    teacher = load_teacher(cfg, device)
-    return DistillLoss(_loss_fn(cfg), teacher, cfg.distill, precision=cfg.parallel.precision), teacher
 
 
 def _mixup(cfg: Config) -> GroupMixup | None:
@@ -167,7 +150,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
     train_loader, val_loader = _loaders(cfg, ctx, micro)
     steps_per_epoch, total_steps = _schedule_length(cfg, train_loader, accum)
     strategy, base_mem = _strategy(cfg, ctx, micro, accum, lr)
-    criterion, teacher = _criterion(cfg, ctx.device)
+    criterion, teacher = build_criterion(cfg, ctx.device)
     state = TrainState()
     if ckpt is not None:
         meta = load_checkpoint(ckpt, strategy)

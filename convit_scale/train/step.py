@@ -122,7 +122,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
                       lr, bad_samples, ids)
 
 
-def _per_sample(run: Run, state: TrainState, batch: Batch, m: int, size: tuple[int, int]) -> tuple:
+def _sample_draws(run: Run, state: TrainState, batch: Batch, m: int, size: tuple[int, int]) -> tuple:
     """(drop-path decisions, Mixup plan) of micro-batch ``m`` on the device, or None each: drawn on the host from the
     samples' seeds and the step's canonical groups, moved in one asynchronous copy per dtype."""
     keep = None if batch.seeds is None else run.strategy.module.drop_path_keep(batch.seeds)
@@ -139,7 +139,7 @@ def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepSt
     """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
     device = run.ctx.device
     x, y = batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
-    keep, plan = _per_sample(run, state, batch, m, tuple(x.shape[-2:]))
+    keep, plan = _sample_draws(run, state, batch, m, tuple(x.shape[-2:]))
     if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
         x = augment_batch(x, batch.seeds, run.device_augment)
     target = y
