@@ -173,9 +173,10 @@ def test_no_function_is_longer_than_80_lines():
 
 
 LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_scale/config.py", "convit_scale/cli/",
-         "convit_scale/rehearsal/run.py")
-"""What the command lines import before they know the command (``--help`` answers without torch), and the recipe that
-the Slurm scripts read in the batch shell: these may import heavy modules inside functions."""
+         "convit_scale/rehearsal/run.py", "convit_scale/bench/__init__.py", "convit_scale/bench/__main__.py")
+"""What the command lines import before they know the command (``--help`` answers without torch), the recipe that
+the Slurm scripts read in the batch shell, and the benchmarks' dispatchers (they import only the benchmark that runs:
+``bench data`` needs FFCV, the others run without it): these may import heavy modules inside functions."""
 LAZY = ("deepspeed", "ffcv", "numba", "cv2", "tensorboard", "torch.utils.tensorboard", "wandb", "sklearn", "matplotlib",
         "torch._dynamo", "torch.distributed.fsdp")
 """Libraries imported only where used, elsewhere: optional (ffcv, wandb, tensorboard, sklearn, matplotlib) or costly
