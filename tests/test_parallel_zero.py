@@ -69,6 +69,12 @@ def test_a_universal_load_puts_the_optimizer_state_where_torch_keeps_it(strategy
     universal load every state tensor is where torch's ``load_state_dict`` puts it, ``step`` float32 on the parameter's
     device, the moments in the parameter's dtype on its device, and the next step runs. On the CPU host and device are
     one (tests/test_gpu.py checks the same on a GPU, where DeepSpeed's CPU ``step`` was an illegal memory access)."""
+    import deepspeed
+
+    from convit_scale.parallel.universal import universal_problem
+
+    if universal_problem(strategy, deepspeed.__version__):
+        pytest.skip(universal_problem(strategy, deepspeed.__version__))
     zero3 = ["parallel.zero_param_persistence_threshold=100000"] if strategy == "zero3" else []
     with one_rank_group(CPU):
         placed = universal_state_placement(CPU, tmp_path, f"parallel.strategy={strategy}", "parallel.precision=bf16",
