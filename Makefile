@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2
 DEMO_ARGS ?=
 
-.PHONY: setup apt-deps cpu-adam test rehearsal demo gpu-test clean
+.PHONY: setup apt-deps cpu-adam test rehearsal demo gpu-test gpu-wheels deepspeed-floor clean
 
 setup: apt-deps $(STAMP)
 
@@ -58,33 +58,57 @@ REHEARSAL_ARGS ?=
 rehearsal: setup
 	$(PY) -m convit_scale.rehearsal $(REHEARSAL_ARGS)
 
-# GPU acceptance: the first thing to run on a GPU machine (tests/test_gpu.py, about 8 minutes on one H200). It uses
-# the Python that already has the CUDA build of torch (GPU_PYTHON) and the checkout itself (PYTHONPATH), installs
-# only the packages that are missing, from the wheels in WHEELS when given (a box without network), and skips the
-# FFCV checks with the reason where FFCV is not installed. Results (JSON) go to GPU_TEST_OUT.
+# GPU acceptance (tests/test_gpu.py, docs/gpu.md): in groups, each one command of at most 8 minutes on one H200, the
+# first (GROUP=1, the default) the most telling; GROUP=all runs them all. It uses the Python that already has the CUDA
+# build of torch (GPU_PYTHON) and the checkout itself (PYTHONPATH). What that Python lacks is installed into GPU_SITE
+# (a folder beside the checkout, first on PYTHONPATH): from the wheels of `make gpu-wheels` in WHEELS when given (a box
+# without network; --no-deps: the folder is the closure), else from the package index. FFCV checks are skipped with
+# the reason where FFCV is not installed. Each group writes GPU_TEST_OUT/group<N>.json (its tests, outcomes, seconds,
+# the machine) beside the JSON its tests write, for BENCHMARKS.md.
 GPU_PYTHON ?= python3
 WHEELS ?=
+GROUP ?= 1
 GPU_TEST_OUT ?= runs/gpu-test
+GPU_SITE ?= .gpu-site
 GPU_MODULES := deepspeed:deepspeed webdataset:webdataset timm:timm safetensors:safetensors rich:rich yaml:pyyaml \
 	matplotlib:matplotlib accelerate:accelerate psutil:psutil pytest:pytest pytest_timeout:pytest-timeout PIL:pillow
+GPU_MARK = $(if $(filter all,$(GROUP)),gpu,gpu and g$(GROUP))
+GPU_ENV = PYTHONPATH=$(abspath $(GPU_SITE)):$(CURDIR):$(CURDIR)/tests
 gpu-test:
 	@$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
 	  echo "error: $(GPU_PYTHON) sees no CUDA device (torch.cuda.is_available() is False); set GPU_PYTHON to the Python with the CUDA torch"; exit 1; }
 	@missing=""; for pair in $(GPU_MODULES); do mod=$${pair%%:*}; pkg=$${pair##*:}; \
-	  $(GPU_PYTHON) -c "import $$mod" 2>/dev/null || missing="$$missing $$pkg"; done; \
-	if [ -n "$$missing" ]; then echo "Installing:$$missing"; \
-	  if [ -n "$(WHEELS)" ]; then $(GPU_PYTHON) -m pip install --no-index --find-links "$(WHEELS)" $$missing; \
-	  else $(GPU_PYTHON) -m pip install $$missing; fi || { echo "error: could not install$$missing (put their wheels in a folder and pass WHEELS=that/folder)"; exit 1; }; fi
-	GPU_TEST_OUT=$(abspath $(GPU_TEST_OUT)) PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider $(PYTEST_ARGS)
+	  $(GPU_ENV) $(GPU_PYTHON) -c "import $$mod" 2>/dev/null || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then echo "Installing into $(GPU_SITE):$$missing"; \
+	  if [ -n "$(WHEELS)" ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl; \
+	  else $(GPU_PYTHON) -m pip install -q $$missing; fi || { echo "error: could not install$$missing (make gpu-wheels builds their folder: pass WHEELS=that/folder)"; exit 1; }; \
+	  for pair in $(GPU_MODULES); do mod=$${pair%%:*}; $(GPU_ENV) $(GPU_PYTHON) -c "import $$mod" || { \
+	    echo "error: $$mod does not import after the install (WHEELS=$(WHEELS) lacks it?)"; exit 1; }; done; fi
+	GPU_TEST_GROUP=$(GROUP) GPU_TEST_OUT=$(abspath $(GPU_TEST_OUT)) $(GPU_ENV) $(GPU_PYTHON) -m pytest -m "$(GPU_MARK)" \
+	  -p gpu_report tests/test_gpu.py -v -rs -p no:cacheprovider $(PYTEST_ARGS)
+
+# The wheels the GPU box lacks (Python 3.12, manylinux x86_64): DeepSpeed built here as a pure-Python wheel, its
+# dependencies and WebDataset's (pydantic-core and msgpack compiled, cp312), pytest-timeout; checked to resolve from
+# the folder alone (--no-index, the box's own torch, numpy, pyyaml and pytest standing in), sizes printed (the folder
+# travels with the working tree: 64 MiB at most). Needs the package index (convit_scale/gpu_wheels.py).
+GPU_WHEELS ?= build/gpu-wheels
+gpu-wheels: setup
+	$(PY) -m convit_scale.gpu_wheels $(GPU_WHEELS)
 
 # The oldest DeepSpeed pyproject.toml admits, beside the installed one: the tests whose outcome depends on its release
-# (a bad step under ZeRO-1/2/3 with DeepSpeed's own checks of that era, the GPU DeepSpeed takes, the universal
-# checkpoint of a ZeRO-2 run resumed on another world size; ZeRO-3's conversion needs DeepSpeed >= 0.19 and is
-# refused below it) run against it. Not part of `make test`.
+# (a bad step under ZeRO-1/2/3 with DeepSpeed's own checks of that era, the GPU DeepSpeed takes and the LOCAL_RANK it
+# reads, its bf16 switch, the best weights from its fp32 partitions, the universal checkpoint of a ZeRO-2 run resumed
+# on another world size; ZeRO-3's conversion needs DeepSpeed >= 0.19 and is refused below it) run against it. Built
+# here from its source as a pure wheel (no build isolation: the venv's torch), installed beside the venv. Not part of
+# `make test`.
 DEEPSPEED_FLOOR ?= 0.16.0
+FLOOR_DIR := $(VENV)/deepspeed-$(DEEPSPEED_FLOOR)
 deepspeed-floor: setup
-	@[ -d $(VENV)/deepspeed-$(DEEPSPEED_FLOOR) ] || $(PY) -m pip install -q --no-deps --target $(VENV)/deepspeed-$(DEEPSPEED_FLOOR) deepspeed==$(DEEPSPEED_FLOOR)
-	PYTHONPATH=$(abspath $(VENV)/deepspeed-$(DEEPSPEED_FLOOR)):$(CURDIR) $(PY) -m pytest -p no:cacheprovider tests/test_parallel_nonfinite.py tests/test_parallel_zero.py tests/test_train_elastic.py -k "zero or deepspeed" $(PYTEST_ARGS)
+	@[ -d $(FLOOR_DIR) ] || { DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(FLOOR_DIR).wheel deepspeed==$(DEEPSPEED_FLOOR) && \
+	  $(PY) -m pip install -q --no-deps --target $(FLOOR_DIR) $(FLOOR_DIR).wheel/deepspeed-$(DEEPSPEED_FLOOR)-*.whl; }
+	PYTHONPATH=$(abspath $(FLOOR_DIR)):$(CURDIR) $(PY) -m pytest -p no:cacheprovider tests/test_parallel_nonfinite.py \
+	  tests/test_parallel_zero.py tests/test_parallel_zero_engine.py tests/test_parallel_zero_config.py \
+	  tests/test_parallel_universal.py tests/test_train_elastic.py -k "zero or deepspeed or universal" $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/convit-scale demo $(DEMO_ARGS)

@@ -245,6 +245,9 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value; None = no clipping (the paper)."""
+    fused: bool | None = None
+    """AdamW's fused kernel (its state then lives on the parameters' device); None = fused on CUDA, multi-tensor
+    (foreach) elsewhere; true on the CPU runs torch's fused CPU kernel, the CUDA runs' optimizer state layout."""
 
     def validate(self, fail) -> None:
         if self.base_lr <= 0:
@@ -313,6 +316,9 @@ class ParallelConfig:
     """ZeRO-3: most gathered parameter elements held at once; None = 1e9 on CUDA, the bucket size on CPU."""
     zero_max_reuse_distance: int | None = None
     """ZeRO-3: keep a gathered parameter reused within this many elements; None = 1e9 on CUDA, bucket on CPU."""
+    zero_universal_scratch: str | None = None
+    """DeepSpeed: a node-local folder (made if missing) for the fragment files of a universal conversion (a resume on
+    another world size); None = $SLURM_TMPDIR, else $TMPDIR, else beside the checkpoint on its file system."""
     meta_init: bool = False
     """FSDP2: build on the meta device and initialise shards after sharding (large models)."""
     timeout_s: int = 600
@@ -333,6 +339,8 @@ class ParallelConfig:
                  "must be a positive multiple of 8 (DeepSpeed aligns its buckets), or null (sized from the model)")
         if self.zero_overlap_comm is not None and not self.strategy.startswith("zero"):
             fail("parallel.zero_overlap_comm", self.zero_overlap_comm, any_zero)
+        if self.zero_universal_scratch is not None and not self.strategy.startswith("zero"):
+            fail("parallel.zero_universal_scratch", self.zero_universal_scratch, any_zero)
         for key in ("zero_param_persistence_threshold", "zero_prefetch_bucket_elements", "zero_max_live_parameters",
                     "zero_max_reuse_distance"):
             value = getattr(self, key)

@@ -11,7 +11,7 @@ Memory model (bytes; P parameters, N ranks sharding, c = 2 in bf16 / 4 in fp32 c
   zero1 keeps parameters and gradients whole (2c P) and shards master + moments (12P/N, or 8P/N in fp32);
   zero2 also shards gradients; zero3 shards everything and keeps the gathered parameters DeepSpeed lets
   live (``stage3_max_live_parameters``, at most the model) and a bucket of gradients being reduced (its
-  fp32 partitions double as the master weights in fp32 runs); sizes from ``parallel.zero.zero_sizes``,
+  fp32 partitions double as the master weights in fp32 runs); sizes from ``parallel.zero_config.zero_sizes``,
   the function that writes the engine's DeepSpeed config, for a GPU or (``--gpu cpu``) the CPU.
 - activations: the bytes autograd saves per image, counted exactly by a forward on the meta device
   (no memory used), times the micro-batch; with activation checkpointing, one block's worth plus every
@@ -63,7 +63,7 @@ from .config import ParallelConfig, model_options
 from .data.device_augment import augment_on_device
 from .hardware import GPUS, LINK_EFFICIENCY
 from .models import create_model
-from .parallel.zero import deepspeed_config, zero_sizes
+from .parallel.zero_config import deepspeed_config, zero_sizes
 
 IMAGENET_TRAIN = 1_281_167
 

@@ -3,6 +3,7 @@ started by torchrun, several runs in one launch, the `convit-scale` command). Fi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -109,3 +110,76 @@ def records(out: Path, kind: str = "train") -> list[dict]:
 
 def losses(out: Path) -> list[float]:
     return [r["loss"] for r in records(out)]
+
+
+@contextlib.contextmanager
+def one_rank_group(device, local_rank: int = 0):
+    """A one-process group in this process for strategies built by a test (gloo on the CPU, NCCL on a GPU), as
+    torchrun would start rank 0 of 1 with ``LOCAL_RANK=local_rank``; the environment is put back after it."""
+    from convit_scale import comm
+    from convit_scale.train.distributed import free_port, init_distributed
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(local_rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield init_distributed("nccl" if device.type == "cuda" else "gloo", 60)
+    finally:
+        comm.destroy()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def built_strategy(device, *overrides: str, micro_batch: int = 4):
+    """convit_nano (10 classes) under the strategy of ``overrides`` (dotted recipe keys), set up on ``device`` for one
+    rank of a group that exists (``one_rank_group``), with the recipe's AdamW."""
+    import torch
+
+    from convit_scale.config import load_config
+    from convit_scale.models import create_model
+    from convit_scale.parallel import build_strategy
+    from convit_scale.train.optim import build_optimizer
+
+    cfg = load_config(None, ["model.name=convit_nano", "model.num_classes=10", *overrides])
+    torch.manual_seed(0)
+    strategy = build_strategy(create_model("convit_nano", num_classes=10), cfg.parallel, device, 1,
+                              cfg.optim.grad_clip)
+    strategy.setup(lambda m: build_optimizer(m, cfg.optim, 1e-3, device), micro_batch, 1)
+    return strategy
+
+
+def strategy_step(strategy, device, batch: int = 4, seed: int = 0) -> None:
+    """One training step of a ``built_strategy`` on a random batch of 16-pixel images."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, 16, 16, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    loss = torch.nn.functional.cross_entropy(strategy.forward(x).float(), y)
+    strategy.backward(loss, True, 1)
+    strategy.grad_square_sum()
+    strategy.step(None)
+
+
+def universal_state_placement(device, folder: Path, *overrides: str) -> list[tuple]:
+    """A ZeRO run of one step on ``device`` saved to ``folder``, loaded by a new strategy as a checkpoint of 2 ranks
+    (``load(folder, 2)``: through DeepSpeed's universal checkpoint) and stepped once more. Returns, per optimizer state
+    tensor, (key, its dtype, its device, the parameter's dtype, the parameter's device, whether the optimizer is fused
+    or capturable), read right after the load."""
+    strategy = built_strategy(device, *overrides)
+    strategy_step(strategy, device)
+    strategy.save(folder)
+    strategy.close()
+    strategy = built_strategy(device, *overrides)
+    try:
+        strategy.load(folder, 2)
+        inner = getattr(strategy.optimizer, "optimizer", strategy.optimizer)
+        fused = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
+        placed = [(key, value.dtype, value.device, param.dtype, param.device, fused)  # by the state's keys: ZeRO-3
+                  for param, state in inner.state.items()  # empties the groups' parameter lists between steps
+                  for key, value in state.items() if hasattr(value, "device")]
+        strategy_step(strategy, device, seed=1)  # the fused AdamW reads the loaded step
+    finally:
+        strategy.close()
+    return placed

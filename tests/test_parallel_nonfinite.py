@@ -1,6 +1,6 @@
 """A bad step (non-finite loss, non-finite gradient) never reaches the weights, under every strategy and whatever
 DeepSpeed's own overflow checks do: the loop decides from the step's packed reduction before any update, and a
-ZeRO step it refuses goes through DeepSpeed with the optimizer gated shut (convit_scale/parallel/zero.py).
+ZeRO step it refuses goes through DeepSpeed with the optimizer gated shut (convit_scale/parallel/zero_engine.py).
 
 One rank in this process: the decision's logic is the same at any world size (the 2-rank runs of
 tests/test_train_engine_faults.py check that every rank skips alike)."""
@@ -28,13 +28,16 @@ def deepspeed_checks_off(monkeypatch):
     monkeypatch.setattr(stage_1_and_2.DeepSpeedZeroOptimizer, "check_overflow", lambda self, *a, **k: None)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero1", "zero2", "zero3"])
-def test_a_bad_step_leaves_weights_and_moments_exactly(strategy, fm_tree, tmp_path, deepspeed_checks_off):
+@pytest.mark.parametrize("strategy, precision", [("ddp", "fp32"), ("fsdp2", "fp32"), ("zero1", "fp32"),
+                                                  ("zero2", "fp32"), ("zero2", "bf16"), ("zero3", "fp32")])
+def test_a_bad_step_leaves_weights_and_moments_exactly(strategy, precision, fm_tree, tmp_path, deepspeed_checks_off):
     """Accumulation 2. Step index 1: the loss of its second micro-batch is NaN; step index 3: the loss stays finite
     but its gradient is infinite. Each is skipped and counted: the digest of weights and optimizer state after it
-    equals the one before it, and the good steps around them do change the state."""
+    equals the one before it, and the good steps around them do change the state. ZeRO-2 in bf16 too, where the
+    strategy turns DeepSpeed's own bf16 overflow check off (the gate alone decides)."""
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", model=EXACT,
-                    data={**NO_MIX, "micro_batch_size": 16, "val_path": ""}, parallel={"strategy": strategy},
+                    data={**NO_MIX, "micro_batch_size": 16, "val_path": ""},
+                    parallel={"strategy": strategy, "precision": precision},
                     schedule={"max_steps": 5}, log={"debug_digest": True})
     rc = train_here(r, env={"CONVIT_SCALE_NAN_AT_STEP": "1:1", "CONVIT_SCALE_INF_GRAD_AT_STEP": "3"})
     assert rc == 0

@@ -1,59 +1,106 @@
-"""convit_scale/parallel/zero.py: DeepSpeed on the rank's own GPU, and the ZeRO config the engine writes."""
+"""convit_scale/parallel/zero.py: the ZeRO strategy on its rank's device (LOCAL_RANK as DeepSpeed reads it), the best
+weights from the fp32 master under bf16, the optimizer state after a universal load, DeepSpeed's bf16 check off.
+
+One rank in this process (a one-process gloo group): what these check does not depend on the world size."""
 
 from __future__ import annotations
 
-import types
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from support import (
+    built_strategy,
+    one_rank_group,
+    records,
+    strategy_step,
+    tiny_recipe,
+    train_here,
+    universal_state_placement,
+)
 
-from convit_scale.parallel.zero import deepspeed_args
-from convit_scale.train.distributed import device_for
-
-
-def test_deepspeed_takes_the_ranks_gpu_not_local_rank(monkeypatch):
-    """A site that gives each task one GPU (`--gpus-per-task=1`): local rank 5 sees one device, cuda:0. The engine's
-    own choice (LOCAL_RANK) would be the invalid ordinal 5; with the args the strategy passes, DeepSpeed's engine sets
-    the device the process group uses."""
-    import deepspeed.runtime.engine as engine
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    ours = device_for(5)
-    assert ours == torch.device("cuda", 0)
-
-    chosen = []
-    accelerator = types.SimpleNamespace(set_device=chosen.append, device_name=lambda i: f"cuda:{i}",
-                                        device=lambda: "cuda")
-    monkeypatch.setattr(engine, "get_accelerator", lambda: accelerator)
-    monkeypatch.setattr(engine.dist, "get_world_size", lambda: 8)
-    monkeypatch.setattr(engine.dist, "get_rank", lambda: 5)
-    stub = types.SimpleNamespace(local_rank=5)
-    engine.DeepSpeedEngine._set_distributed_vars(stub, deepspeed_args(ours))  # DeepSpeed's own code, our args
-    assert chosen == [0] and stub.device == ours
-    engine.DeepSpeedEngine._set_distributed_vars(stub, None)  # what it did before: LOCAL_RANK
-    assert chosen == [0, 5]
-    assert deepspeed_args(torch.device("cpu")) is None  # on the CPU DeepSpeed's accelerator has no device to pick
+CPU = torch.device("cpu")
 
 
-def test_a_zero3_checkpoint_is_converted_only_by_a_deepspeed_that_can():
-    """DeepSpeed before 0.19 fails converting ZeRO-3 partitions (0.16.0, 0.17.0): refused with what to do instead."""
-    from convit_scale.parallel.zero import universal_problem
+def test_deepspeed_sees_the_local_rank_of_the_ranks_device(monkeypatch):
+    """A site that gives each task one GPU starts local rank 3 with LOCAL_RANK=3 and one visible device; ZeRO-3's
+    ``zero.Init`` builds its device from LOCAL_RANK itself (cuda:3: "invalid device ordinal"). On the CPU the device
+    has index 0: DeepSpeed must read LOCAL_RANK=0 while the engine runs, and the launcher's value comes back after."""
+    from deepspeed.runtime.zero.partition_parameters import Init
 
-    assert universal_problem("zero3", "0.19.8") is None and universal_problem("zero2", "0.16.0") is None
-    problem = universal_problem("zero3", "0.17.0+cpu")
-    assert "DeepSpeed >= 0.19 (installed: 0.17.0+cpu)" in problem and "resume on the world size" in problem
+    seen = []
+    init = Init.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(os.environ.get("LOCAL_RANK"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Init, "__init__", spy)
+    with one_rank_group(CPU, local_rank=3) as ctx:
+        assert ctx.local_rank == 3
+        strategy = built_strategy(CPU, "parallel.strategy=zero3", "parallel.precision=bf16")
+        try:
+            assert seen == ["0"] and os.environ["LOCAL_RANK"] == "0"
+            assert strategy._engine.device == CPU
+            strategy_step(strategy, CPU)  # ZeRO-3's first-step trace checks read it too
+        finally:
+            strategy.close()
+        assert os.environ["LOCAL_RANK"] == "3"
 
 
-def test_buckets_sized_from_the_model_are_aligned_and_odd_ones_refused():
-    """A tenth of ConViT-B+ (153,134,856 parameters) is odd, which DeepSpeed's ZeRO-1/2 refuse at start-up on every
-    rank ("allgather_bucket_size must be a multiple of nccl_start_alignment_factor"): rounded up to a multiple of 8;
-    an explicit odd size is refused with the recipe."""
-    from convit_scale.config import ConfigError, load_config
-    from convit_scale.parallel.zero import zero_sizes
+def test_deepspeeds_own_bf16_overflow_check_is_off_where_its_release_has_the_switch():
+    """The strategy decides a bad step itself (its gate); DeepSpeed's ZeRO-1/2 bf16 check would repeat it with an
+    all-reduce and a host read per step. A release without the switch (0.16: no bf16 check) gets no key."""
+    from convit_scale.parallel.zero_engine import knows_bf16_overflow_switch
 
-    for device in ("cpu", "cuda"):
-        bucket = zero_sizes(load_config(None, ["parallel.strategy=zero2"]).parallel, 153_134_856, device)["bucket"]
-        assert bucket % 8 == 0 and 0 <= bucket - 153_134_856 / 10 < 8
-    with pytest.raises(ConfigError, match="parallel.zero_bucket_elements = 1001 is not allowed; must be a positive "
-                                          "multiple of 8"):
-        load_config(None, ["parallel.strategy=zero2", "parallel.zero_bucket_elements=1001"])
+    with one_rank_group(CPU):
+        strategy = built_strategy(CPU, "parallel.strategy=zero2", "parallel.precision=bf16")
+        try:
+            check = getattr(strategy.optimizer, "check_grad_overflow", None)
+            assert check is (False if knows_bf16_overflow_switch() else None)
+        finally:
+            strategy.close()
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_universal_load_puts_the_optimizer_state_where_torch_keeps_it(strategy, tmp_path):
+    """With the GPU runs' ZeRO settings (bf16, persistence threshold 1e5, overlapped reduction, fused AdamW): after a
+    universal load every state tensor is where torch's ``load_state_dict`` puts it, ``step`` float32 on the parameter's
+    device, the moments in the parameter's dtype on its device, and the next step runs. On the CPU host and device are
+    one (tests/test_gpu.py checks the same on a GPU, where DeepSpeed's CPU ``step`` was an illegal memory access)."""
+    import deepspeed
+
+    from convit_scale.parallel.universal import universal_problem
+
+    if universal_problem(strategy, deepspeed.__version__):
+        pytest.skip(universal_problem(strategy, deepspeed.__version__))
+    zero3 = ["parallel.zero_param_persistence_threshold=100000"] if strategy == "zero3" else []
+    with one_rank_group(CPU):
+        placed = universal_state_placement(CPU, tmp_path, f"parallel.strategy={strategy}", "parallel.precision=bf16",
+                                           "parallel.zero_overlap_comm=true", "optim.fused=true", *zero3)
+    assert {key for key, *_ in placed} == {"step", "exp_avg", "exp_avg_sq"}
+    for key, dtype, device, param_dtype, param_device, fused in placed:
+        assert fused and device == param_device, (key, device, param_device)
+        assert dtype == (torch.float32 if key == "step" else param_dtype), (key, dtype, param_dtype)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_best_holds_the_fp32_master_weights_under_bf16(strategy, fm_tree, tmp_path):
+    """``checkpoints/best`` is the model in fp32 as ``export`` writes it: DeepSpeed's fp32 master partitions (read back
+    from the run's last checkpoint, of the same step), not the bf16 copy the engine computes with."""
+    from safetensors.torch import load_file
+
+    from convit_scale.models import create_model
+    from convit_scale.trained import consolidate
+
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={
+        "strategy": strategy, "precision": "bf16"}, data={"mixup": 0.0, "cutmix": 0.0}, schedule={"max_steps": 3})
+    assert train_here(r) == 0
+    (end,) = records(tmp_path / "out", "end")
+    best = load_file(str(tmp_path / "out" / "checkpoints" / "best" / "model.safetensors"))
+    master = consolidate(Path(end["checkpoint"]))
+    weights = [n for n, _ in create_model("convit_nano", num_classes=10, device="meta").named_parameters()]
+    assert all(torch.equal(best[k], master[k]) for k in weights), \
+        [k for k in weights if not torch.equal(best[k], master[k])][:5]
+    assert any(not torch.equal(master[k], master[k].bfloat16().float()) for k in weights)  # not bf16-rounded

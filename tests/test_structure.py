@@ -6,7 +6,7 @@ The layers, from the ground up (a module imports modules of lower layers and of 
 1. files: atomic writes and publication (every layer writes files);
 2. leaves that import nothing of the package but files: comm, slurm_scripts (the #SBATCH reader), hardware,
    console, metrics, augment_policy, imagetree, splitmix (the counter-based generator of the augmentation and of
-   drop-path), ffcv_threads, jpeg (shared by the loaders and data_prep/);
+   drop-path), ffcv_threads, jpeg (shared by the loaders and data_prep/), gpu_wheels (the GPU box's wheel folder);
 3. the models (drop-path per sample draws from splitmix);
 4. config (the recipe);
 5. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
@@ -32,7 +32,7 @@ LAYERS = [
     ["convit_scale.files"],
     ["convit_scale.comm", "convit_scale.slurm_scripts", "convit_scale.hardware", "convit_scale.console",
      "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads",
-     "convit_scale.jpeg", "convit_scale.splitmix"],
+     "convit_scale.jpeg", "convit_scale.splitmix", "convit_scale.gpu_wheels"],
     ["convit_scale.models"],
     ["convit_scale.config"],
     ["convit_scale.data", "convit_scale.parallel", "data_prep", "convit_scale.trained"],
@@ -173,9 +173,10 @@ def test_no_function_is_longer_than_80_lines():
 
 
 LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_scale/config.py", "convit_scale/cli/",
-         "convit_scale/rehearsal/run.py")
-"""What the command lines import before they know the command (``--help`` answers without torch), and the recipe that
-the Slurm scripts read in the batch shell: these may import heavy modules inside functions."""
+         "convit_scale/rehearsal/run.py", "convit_scale/bench/__init__.py", "convit_scale/bench/__main__.py")
+"""What the command lines import before they know the command (``--help`` answers without torch), the recipe that
+the Slurm scripts read in the batch shell, and the benchmarks' dispatchers (they import only the benchmark that runs:
+``bench data`` needs FFCV, the others run without it): these may import heavy modules inside functions."""
 LAZY = ("deepspeed", "ffcv", "numba", "cv2", "tensorboard", "torch.utils.tensorboard", "wandb", "sklearn", "matplotlib",
         "torch._dynamo", "torch.distributed.fsdp")
 """Libraries imported only where used, elsewhere: optional (ffcv, wandb, tensorboard, sklearn, matplotlib) or costly

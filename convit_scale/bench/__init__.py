@@ -1,10 +1,12 @@
-"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal`: the numbers in BENCHMARKS.md, measured
-side by side.
+"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal|gate`: the numbers in BENCHMARKS.md,
+measured side by side.
 
 Every benchmark runs its candidates in the same command, on the same inputs, and reports ratios to a
 reference measured in that run. Each candidate runs in a fresh subprocess (``python -m convit_scale.bench
 KIND SPEC``: peak memory is then its own), in interleaved rounds (A B C A B C), and the best round is kept.
-One module per benchmark; ``worker`` holds the subprocess and the timed training step they share.
+One module per benchmark, imported only when it runs (``bench data`` and ``bench pixels`` import FFCV, which a GPU
+machine may lack: the other benchmarks run without it); ``worker`` holds the subprocess and the timed training step
+they share.
 """
 
 from __future__ import annotations
@@ -15,15 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-from .data import _sample_photographs, bench_data
-from .distill import bench_distill
-from .inference import bench_inference
-from .memory import bench_memory
-from .mfu import bench_mfu
-from .model import bench_model
-from .pixels import pixel_fidelity
-from .universal import bench_universal
 
 
 def _resolve(args) -> None:
@@ -38,25 +31,46 @@ def _resolve(args) -> None:
 def _run(args) -> dict:
     out, precision = Path(args.out), args.precision
     if args.what == "model":
+        from .model import bench_model
+
         return bench_model(args.batch or 8, args.steps, args.rounds, args.device, precision)
     if args.what == "inference":
+        from .inference import bench_inference
+
         return bench_inference(args.sizes.split(","), args.batch or 128, args.steps, args.warmup, args.rounds,
                                args.device, precision)
     if args.what == "pixels":
+        from .data import _sample_photographs
+        from .pixels import pixel_fidelity
+
         return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes)
     if args.what == "data":
+        from .data import bench_data
+
         return bench_data(out / "data_work", args.seconds, args.rounds, args.device)
     if args.what == "memory":
+        from .memory import bench_memory
+
         return bench_memory(out / "memory_work", args.model, args.img_size,
                             [int(w) for w in (args.worlds or "1,2,4").split(",")],
                             (args.strategies or "ddp,fsdp2,zero1,zero2,zero3").split(","))
     if args.what == "universal":
+        from .universal import bench_universal
+
         return bench_universal(out / "universal_work", args.model, args.img_size,
                                [int(w) for w in (args.worlds or "2").split(",")],
                                (args.strategies or "zero2,zero3").split(","))
+    if args.what == "gate":
+        from .gate import bench_gate
+
+        return bench_gate(args.model, args.img_size, args.batch or 8, args.steps,
+                          (args.strategies or "zero2,zero3").split(","), args.device, precision)
     if args.what == "mfu":
+        from .mfu import bench_mfu
+
         return bench_mfu(args.models.split(","), args.batch or 64, args.steps, args.warmup, args.device,
                          precision, args.peak_tflops, args.compile)
+    from .distill import bench_distill
 
     return bench_distill(args.batch or 4, args.steps, args.rounds, args.device)
 

@@ -1,22 +1,25 @@
 """``python -m convit_scale.bench KIND SPEC``: one benchmark candidate, measured in this fresh process.
 
-KIND is model, data, distill, train (``bench mfu``) or inference; SPEC is its JSON; the result is the last line printed.
+KIND is model, data, distill, train (``bench mfu``), inference or gate; SPEC is its JSON; the result is the last line
+printed. Only KIND's module is imported (``data`` imports FFCV).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
-from . import data, distill, inference, mfu, model
+WORKERS = {"model": "model", "data": "data", "distill": "distill", "train": "mfu", "inference": "inference",
+           "gate": "gate"}
+"""KIND -> the module of convit_scale.bench whose ``worker`` measures it."""
 
 
 def main() -> None:
-    workers = {"model": model.worker, "data": data.worker, "distill": distill.worker, "train": mfu.worker,
-               "inference": inference.worker}
-    if len(sys.argv) != 3 or sys.argv[1] not in workers:
-        raise SystemExit(f"usage: python -m convit_scale.bench KIND SPEC_JSON; KIND is one of {', '.join(workers)}")
-    print(json.dumps(workers[sys.argv[1]](json.loads(sys.argv[2]))))
+    if len(sys.argv) != 3 or sys.argv[1] not in WORKERS:
+        raise SystemExit(f"usage: python -m convit_scale.bench KIND SPEC_JSON; KIND is one of {', '.join(WORKERS)}")
+    worker = importlib.import_module(f"{__package__}.{WORKERS[sys.argv[1]]}").worker
+    print(json.dumps(worker(json.loads(sys.argv[2]))))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from data_prep.fashion_mnist import build_tree
 from ..config import ParallelConfig, load_config, recipe_path
 from ..metrics import read_records
 from ..models import create_model
-from ..parallel.zero import zero_sizes
+from ..parallel.zero_config import zero_sizes
 from ..train.launch import run_recipe
 from .worker import RSS_ENV
 

@@ -1,5 +1,5 @@
 """`bench universal`: what an elastic resume of a ZeRO run costs once, rank 0 converting the checkpoint into DeepSpeed's
-universal checkpoint while the other ranks wait (``parallel.zero.conversion_wait_s`` is how long they wait)."""
+universal checkpoint while the other ranks wait (``parallel.universal.conversion_wait_s`` is how long they wait)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 from data_prep.fashion_mnist import build_tree
 
 from ..models import create_model
-from ..parallel.zero import UNIVERSAL, conversion_wait_s, folder_bytes, universal_checkpoint
+from ..parallel.universal import UNIVERSAL, conversion_files, conversion_wait_s, folder_bytes, universal_checkpoint
 from ..train.checkpoint import latest_checkpoint
 from ..train.launch import run_recipe
 from .memory import training_run
 
 
 def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strategy: str, params: int,
-             timeout_s: float) -> dict:
+             tensors: int, timeout_s: float) -> dict:
     """A one-step run of ``strategy`` on ``world`` ranks, its checkpoint converted here (one worker, as rank 0 does)."""
     shutil.rmtree(out, ignore_errors=True)
     rc = run_recipe(training_run(tree, out, model, img_size, world, strategy, params, 1), world, quiet=True,
@@ -30,8 +30,9 @@ def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strat
     seconds = time.perf_counter() - t0
     size = folder_bytes(ckpt / "zero")
     row = {"strategy": strategy, "world": world, "zero_bytes": size, "universal_bytes": folder_bytes(ckpt / UNIVERSAL),
-           "seconds": seconds, "mb_per_s": size / seconds / 1e6,
-           "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s)}
+           "universal_files": sum(1 for f in (ckpt / UNIVERSAL).rglob("*") if f.is_file()),
+           "files_bound": conversion_files(tensors, world), "seconds": seconds, "mb_per_s": size / seconds / 1e6,
+           "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s, tensors, world)}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gigabytes for a large model
     return row
 
@@ -45,7 +46,8 @@ def bench_universal(work: Path, model: str, img_size: int, worlds: list[int], st
         raise ValueError(f"--strategies {','.join(bad)}: allowed: zero1, zero2, zero3 (only ZeRO checkpoints are "
                          f"converted)")
     tree = build_tree(work / "tree", {"train": 20, "val": 4})
-    params = sum(p.numel() for p in create_model(model, device="meta").parameters())
-    rows = [_convert(tree, work / f"{s}_{world}", model, img_size, world, s, params, timeout_s)
+    meta = list(create_model(model, device="meta").parameters())
+    params, tensors = sum(p.numel() for p in meta), len(meta)
+    rows = [_convert(tree, work / f"{s}_{world}", model, img_size, world, s, params, tensors, timeout_s)
             for world in worlds for s in strategies]
     return {"model": model, "params": params, "img_size": img_size, "rows": rows}

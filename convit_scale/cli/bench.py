@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .argtypes import non_negative_int, positive_float, positive_int
 
-KINDS = ("model", "data", "memory", "distill", "mfu", "inference", "pixels", "universal")
+KINDS = ("model", "data", "memory", "distill", "mfu", "inference", "pixels", "universal", "gate")
 """The benchmarks, one module each in convit_scale/bench/ (imported only when one runs: they import torch)."""
 
 
@@ -16,7 +16,7 @@ def _cmd_bench(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu, inference, "
-                                     "pixels, universal)",
+                                     "pixels, universal, gate)",
                        description="Measure candidates side by side, each in a fresh process, in interleaved rounds; "
                                    "writes OUT/bench_WHAT.json. `bench data` needs the bench extra "
                                    "(pip install -e '.[bench]').")
@@ -31,11 +31,11 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="model, data, distill: interleaved rounds (A B C A B C); the best round is kept")
     p.add_argument("--seconds", type=positive_float, default=8.0, help="data: seconds per candidate and round")
-    p.add_argument("--model", default="convit_base_plus", help="memory, universal: the model")
+    p.add_argument("--model", default="convit_base_plus", help="memory, universal, gate: the model")
     p.add_argument("--img-size", type=positive_int, default=64,
-                   help="memory, universal: input size (model state dominates)")
+                   help="memory, universal, gate: input size (model state dominates)")
     p.add_argument("--worlds", help="memory (default 1,2,4), universal (default 2): comma-separated world sizes")
-    p.add_argument("--strategies", help="memory (default ddp,fsdp2,zero1,zero2,zero3), universal (default "
+    p.add_argument("--strategies", help="memory (default ddp,fsdp2,zero1,zero2,zero3), universal and gate (default "
                                         "zero2,zero3): comma-separated strategies")
     p.add_argument("--models", default="convit_small_plus,convit_base_plus", help="mfu: comma-separated models")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="mfu, inference: untimed steps first")

@@ -155,11 +155,12 @@ def local_grads(params) -> list[torch.Tensor]:
     return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
 
-def square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """sum of squares of ``grads`` as a float64 device scalar: one multi-tensor norm kernel, no host sync."""
+def square_sum(grads: list[torch.Tensor], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """sum of squares of ``grads`` as a float64 scalar on their device: one multi-tensor norm kernel, no host sync;
+    ``dtype``: the norms' accumulation dtype (else each gradient's own)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(grads)
+    norms = torch._foreach_norm(grads) if dtype is None else torch._foreach_norm(grads, 2, dtype=dtype)
     return torch.stack(norms).double().pow(2).sum()
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .. import comm
+
 
 class DCPStateMixin:
     scaler: torch.amp.GradScaler | None = None
@@ -19,7 +21,7 @@ class DCPStateMixin:
 
     def save(self, directory: Path) -> None:
         dcp.save(self._state(), checkpoint_id=str(directory / "dcp"))
-        if self.scaler is not None and torch.distributed.get_rank() == 0:  # the same on every rank
+        if self.scaler is not None and comm.rank() == 0:  # the same on every rank
             torch.save(self.scaler.state_dict(), directory / "grad_scaler.pt")
 
     def load(self, directory: Path, saved_world_size: int | None = None) -> None:
@@ -32,7 +34,7 @@ class DCPStateMixin:
     def full_state_dict(self):
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, _ = get_state_dict(self.module, [], options=opts)
-        return model_sd if torch.distributed.get_rank() == 0 else None
+        return model_sd if comm.rank() == 0 else None
 
     def load_full_state_dict(self, state):
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)

@@ -1,5 +1,5 @@
-"""DDP (one process: the plain module, still through DDP's code path when a process group exists) with DCP
-checkpoints."""
+"""DDP: the single-process strategy's model behind DDP's wrapper (whenever a process group exists, at world size 1
+too, so that a one-GPU run sends DDP's collectives through NCCL), with DCP checkpoints."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm
-from .base import Strategy, clip_, local_grads, square_sum
-from .dcp import DCPStateMixin
+from .single import SingleProcessStrategy
 
 # DDP broadcasts module buffers from rank 0 before every synced forward unless told not to; torch 2.14 renamed the
 # switch (``forward_sync_buffers``) and deprecated the old one, which older releases alone know.
@@ -19,51 +18,23 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
                   else {"broadcast_buffers": False})
 
 
-class DDPStrategy(DCPStateMixin, Strategy):
+class DDPStrategy(SingleProcessStrategy):
     name = "ddp"
 
-    def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
-        self.module = self.module.to(self.device)
-        if self.p.activation_checkpointing:  # non-reentrant checkpointing: DDP's hooks fire once per parameter
-            self.module.set_grad_checkpointing(True)
-        self.wrapped = self.module
-        if comm.is_initialized() and self.p.strategy != "none":  # world size 1 too: DDP.s collectives reach NCCL
-            # gradients live in the communication buckets: no second copy of them (4 bytes/param saved); the GPSA
-            # position buffers are deterministic (built from the grid), so DDP need not broadcast them every forward
-            self.wrapped = DDP(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                               gradient_as_bucket_view=True, **NO_BUFFER_SYNC)
-        if self.p.compile:
-            self.wrapped = torch.compile(self.wrapped)
-        self.optimizer = optimizer_fn(self.module)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.p.precision == "fp16" else None
-        self.scales_loss = self.scaler is not None
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        if not comm.is_initialized():  # a library caller without a process group: nothing to synchronise
+            return module
+        # gradients live in the communication buckets: no second copy of them (4 bytes/param saved); the GPSA
+        # position buffers are deterministic (built from the grid), so DDP need not broadcast them every forward
+        return DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   gradient_as_bucket_view=True, **NO_BUFFER_SYNC)
 
     def micro_batch(self, is_last_micro):
         # DDP prepares its reducer in forward: no_sync must hold the forward too, or every micro-batch all-reduces
         ddp = getattr(self.wrapped, "_orig_mod", self.wrapped)  # under torch.compile
         return contextlib.nullcontext() if is_last_micro or not isinstance(ddp, DDP) else ddp.no_sync()
 
-    def backward(self, loss, is_last_micro, grad_accum):
-        loss = loss / grad_accum
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
     def grad_square_sum(self):
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # the norm of the true gradients (found-inf stays on the device)
         # after DDP's all-reduce every rank holds the same gradients: rank 0 alone contributes them
-        own = square_sum(local_grads(self.module.parameters()), self.device)
+        own = self._unscaled_square_sum()
         return own if comm.rank() == 0 else torch.zeros_like(own)
-
-    def step(self, grad_norm):
-        clip_(local_grads(self.module.parameters()), self.grad_clip, grad_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)  # skips the step itself when the scaled gradients overflowed
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self):
-        if self.scaler:
-            self.scaler.update()  # closes the unscale_ of this step (and lowers the scale on an overflow)
-        self.optimizer.zero_grad(set_to_none=True)

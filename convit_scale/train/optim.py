@@ -28,7 +28,8 @@ def build_optimizer(model: nn.Module, o: OptimConfig, lr: float, device: torch.d
     """AdamW over the groups of :func:`param_groups`. On CUDA the fused kernel (one launch for all parameters,
     FSDP2's DTensors and DeepSpeed's flat partitions included); elsewhere the multi-tensor (foreach) kernels: torch
     picks them by itself for CUDA tensors only, and on CPU its per-parameter loop dispatches each of a dozen ops
-    once per FSDP2 DTensor, 15% of a small model's step."""
+    once per FSDP2 DTensor, 15% of a small model's step. ``optim.fused`` chooses either anywhere (the fused kernel
+    keeps ``step`` on the parameters' device, where a restored state must put it)."""
     groups = [{k: v for k, v in g.items() if k != "group"} for g in param_groups(model, o.weight_decay)]
-    fused = device.type == "cuda"
+    fused = device.type == "cuda" if o.fused is None else o.fused
     return torch.optim.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps, fused=fused or None, foreach=not fused)

@@ -1,0 +1,53 @@
+"""convit_scale/parallel/zero_engine.py: DeepSpeed on the rank's own GPU, and the optimizer state put where torch's
+own ``load_state_dict`` puts it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from convit_scale.parallel.zero_engine import deepspeed_args, place_state_like_torch
+from convit_scale.train.distributed import device_for
+
+
+def test_deepspeed_takes_the_ranks_gpu_not_local_rank(monkeypatch):
+    """A site that gives each task one GPU (`--gpus-per-task=1`): local rank 5 sees one device, cuda:0. The engine's
+    own choice (LOCAL_RANK) would be the invalid ordinal 5; with the args the strategy passes, DeepSpeed's engine sets
+    the device the process group uses."""
+    import deepspeed.runtime.engine as engine
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ours = device_for(5)
+    assert ours == torch.device("cuda", 0)
+
+    chosen = []
+    accelerator = types.SimpleNamespace(set_device=chosen.append, device_name=lambda i: f"cuda:{i}",
+                                        device=lambda: "cuda")
+    monkeypatch.setattr(engine, "get_accelerator", lambda: accelerator)
+    monkeypatch.setattr(engine.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(engine.dist, "get_rank", lambda: 5)
+    stub = types.SimpleNamespace(local_rank=5)
+    engine.DeepSpeedEngine._set_distributed_vars(stub, deepspeed_args(ours))  # DeepSpeed's own code, our args
+    assert chosen == [0] and stub.device == ours
+    engine.DeepSpeedEngine._set_distributed_vars(stub, None)  # what it did before: LOCAL_RANK
+    assert chosen == [0, 5]
+    assert deepspeed_args(torch.device("cpu")) is None  # on the CPU DeepSpeed's accelerator has no device to pick
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_state_is_placed_as_torchs_load_state_dict_places_it(fused):
+    """State as a universal load leaves it (``step`` and moments in other dtypes than torch would keep) is moved where
+    torch's own ``Optimizer.load_state_dict`` moves the same state: the reference."""
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 3))]
+    ours = torch.optim.AdamW(params, fused=fused or None, foreach=not fused)
+    ours.state = {p: {"step": torch.tensor(7.0, dtype=torch.float64), "exp_avg": torch.ones_like(p).double(),
+                      "exp_avg_sq": torch.ones_like(p).double()} for p in params}
+    reference = torch.optim.AdamW(params, fused=fused or None, foreach=not fused)
+    reference.load_state_dict(ours.state_dict())
+    place_state_like_torch(ours)
+    for p in params:
+        for key, value in reference.state[p].items():
+            assert (ours.state[p][key].dtype, ours.state[p][key].device) == (value.dtype, value.device), key
+            assert torch.equal(ours.state[p][key].double(), value.double())
