@@ -66,7 +66,7 @@ ZERO_CPU_21M = {  # what deepspeed_config wrote before the GPU settings existed:
 
 
 def _zero(overrides=(), device="cpu", params=21_000_000):
-    from convit_scale.parallel.zero import deepspeed_config
+    from convit_scale.parallel.zero_config import deepspeed_config
 
     cfg = load_config(None, ["parallel.strategy=zero3", *overrides])
     return deepspeed_config(cfg.parallel, 4, 2, 2, params, 1.0, device=torch.device(device))
