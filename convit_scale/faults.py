@@ -29,8 +29,16 @@ from pathlib import Path
 from .files import write_atomic
 
 DATA, COMPUTE, REDUCE, LOG = "data", "forward/backward", "reduction", "log step"
-STEP_PHASES = (DATA, COMPUTE, REDUCE, LOG)
-"""The phases inside a step (train/watchdog.py marks them); the others come between steps."""
+STEP_PHASES = (DATA, COMPUTE, REDUCE)
+"""The phases inside a step, in order (train/watchdog.py marks them; a heartbeat's step is the one finished before
+them); the others come after a step (the log step, checkpoints, evaluation) and carry that step."""
+
+
+def progress_key(step: int, phase: str) -> tuple[int, int]:
+    """How far a rank got, comparable across ranks: (the step it is in or just finished, the phase's place)."""
+    if phase in STEP_PHASES:
+        return step + 1, STEP_PHASES.index(phase)
+    return step, len(STEP_PHASES)
 FAULTS = "faults.jsonl"
 STARTS = "faults_starts.jsonl"
 SIGNALS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
@@ -79,6 +87,24 @@ def _json_files(folder: Path, since: float) -> list[dict]:
     return found
 
 
+def last_logged_step(out: Path) -> int | None:
+    """The newest step in the run's metrics.jsonl (its last 64 KiB): what rank 0 logged last."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 65536))
+        tail = f.read().decode(errors="replace").splitlines()
+    for line in reversed(tail):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "train":
+            return rec["step"]
+    return None
+
+
 def first_failed_task(log: str) -> dict | None:
     """The first task that failed, as srun (``srun: error: n2: task 1: Killed``) or torchrun (its "Root Cause
     (first observed failure)") reports it: rank, node, and the signal or exit status."""
@@ -120,11 +146,9 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
         culprit = (first.get("culprits") or [{}])[0]
         beat = by_rank.get(culprit.get("rank"), {})
         stopped = [c for h in hangs for c in h.get("children", []) if c.get("state") in ("T", "t", "D")]
-        last = beat.get("since") if beat.get("phase") == first["phase"] else None
         return {"kind": "hang", "rank": culprit.get("rank"), "node": culprit.get("node"),
                 "step": beat.get("step", first["step"]), "phase": beat.get("phase", first["phase"]),
-                "detect_s": round(first["time"] - min(beat.get("alive", first["since"]), first["since"])
-                                  if last is None else first["time"] - last, 1),
+                "detect_s": round(first["time"] - beat.get("since", first["since"]), 1),  # its last progress
                 "waiting": [w["rank"] for w in first.get("waiting", [])], "summary": first.get("summary"),
                 "stopped_workers": stopped, "stacks": first.get("stacks"), "exit_status": rc}
     oom = [b for b in failed if re.search(r"OutOfMemoryError|MemoryError", b["state"])]
@@ -137,11 +161,12 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
         b = min(on_lost, key=lambda b: b["alive"]) if on_lost else {}
         return {"kind": "node_lost", "rank": b.get("rank"), "node": b.get("node", lost[0]), "step": b.get("step"),
                 "phase": b.get("phase"), "ranks": sorted(x["rank"] for x in on_lost), "exit_status": rc}
-    b = failed[0] if failed else by_rank.get((task or {}).get("rank"), {})
+    b = by_rank.get(task["rank"], {}) if task else (failed[0] if failed else {})
     task = task or {}
     return {"kind": "crash", "rank": task.get("rank", b.get("rank")), "node": task.get("node", b.get("node")),
             "step": b.get("step"), "phase": b.get("phase"), "signal": task.get("signal"),
-            "exit_status": task.get("exit_status", rc), "how": b.get("state") if failed else task.get("how")}
+            "exit_status": task.get("exit_status", rc),
+            "how": task.get("how") or (b.get("state") if str(b.get("state", "")).startswith("failed") else None)}
 
 
 def describe(rec: dict) -> str:
@@ -201,6 +226,17 @@ def start(out: Path, job: str, restart: int, nodes: list[str]) -> dict:
     return rec
 
 
+def archive(out: Path, rec: dict, start_no: int) -> None:
+    """Move the start's hang reports and stacks into hangs/start_<n>/ (a later start's diagnosis must not read
+    them; the operator still can)."""
+    folder = out / "hangs" / f"start_{start_no}"
+    for f in (out / "hangs").glob("rank_*"):
+        folder.mkdir(parents=True, exist_ok=True)
+        f.replace(folder / f.name)
+    if rec.get("stacks"):
+        rec["stacks"] = str(folder / Path(rec["stacks"]).name)
+
+
 def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts: int) -> tuple[str, str]:
     """(action, why): restart inside the allocation, requeue onto the nodes left, or stop."""
     now = rec["checkpoint_step"]
@@ -224,7 +260,16 @@ def end(out: Path, rc: int, log: str, nodes: list[str], max_restarts: int) -> st
     beats = _json_files(out / "heartbeat", begun["time"])
     hangs = _json_files(out / "hangs", begun["time"])
     rec = classify(rc, beats, hangs, first_failed_task(log), log, lost)
-    rec.update(time=time.time(), job=begun["job"], restart=begun["restart"], attempt=begun["attempt"],
+    now = time.time()
+    culprit = next((b for b in beats if b["rank"] == rec.get("rank")), None)
+    if rec.get("detect_s") is None and culprit is not None:  # at most this long: its last heartbeat to the step's end
+        rec["detect_s"] = round(now - culprit["alive"], 1)
+    last = max([b["step"] for b in beats] + [s for s in [last_logged_step(out)] if s is not None], default=None)
+    if rec["kind"] != "hang" and last is not None:  # a heartbeat may be a period behind: the newest step finished
+        rec["step"] = max(rec.get("step") or 0, last)
+    archive(out, rec, len(starts))
+    rec.update(time=now, last_step=last, job=begun["job"],
+               restart=begun["restart"], attempt=begun["attempt"],
                checkpoint_step=newest_checkpoint_step(out), checkpoint_step_at_start=begun["checkpoint_step"])
     restarts = sum(1 for s in starts if s.get("job") == begun["job"] and s.get("restart") == begun["restart"]) - 1
     action, why = decide(rec, begun, lost, restarts, max_restarts)
@@ -250,7 +295,7 @@ def recovered(out: Path, resumed_from: int, step: int) -> dict | None:
     if not recs or "back_s" in recs[-1] or recs[-1].get("action") == "stop":
         return None
     rec = recs[-1]
-    done = rec.get("step")
+    done = rec.get("last_step", rec.get("step"))
     rec.update(back_s=round(time.time() - rec["time"], 1), first_new_step=step, resumed_from=resumed_from,
                steps_redone=None if done is None else max(0, done - resumed_from))
     _rewrite(path, recs)

@@ -178,10 +178,11 @@ def fit(run: Run, state: TrainState) -> str:
     run.strategy.train(True)
     with Progress.for_run(run.ctx.is_main, cfg.log.progress, run.total_steps, state.step) as progress:
         while state.step < run.total_steps:
-            run.watch.mark(EPOCH_START)
+            run.watch.mark(EPOCH_START, state.step)
+            run.watch.publish()  # where this start begins, at once (a rank may die before the next heartbeat)
             for micro_batches in steps_of_epoch(run, state):
                 res = train_step(run, state, micro_batches)
-                run.watch.mark(LOG)
+                run.watch.mark(LOG, state.step)
                 log_step(run, state, res, progress)
                 if res.stop:
                     return save_and_stop(run, state)

@@ -70,10 +70,10 @@ class StepResult:
     lr: float
     bad_samples: list = field(default_factory=list)
     """Every rank's replaced samples of the step (``Batch.bad``)."""
-    save_due: bool = False
-    """checkpoint.every_minutes elapsed on rank 0's clock (the same decision on every rank)."""
     sample_ids: list = field(default_factory=list)
     """This rank's samples of the step, in canonical order (``Batch.ids``; for ``log.debug_samples``)."""
+    save_due: bool = False
+    """checkpoint.every_minutes elapsed on rank 0's clock (the same decision on every rank)."""
 
 
 def steps_of_epoch(run: Run, state: TrainState):

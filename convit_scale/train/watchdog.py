@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -29,15 +30,13 @@ from pathlib import Path
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from ..faults import COMPUTE, DATA, LOG, REDUCE, where
+from ..faults import COMPUTE, DATA, LOG, REDUCE, progress_key, where
 from ..files import write_json_atomic
 from .signals import EXIT_HANG
 
 __all__ = ["COMPUTE", "DATA", "LOG", "REDUCE", "Watchdog", "who_stopped"]
 STARTUP = "start-up"
 EPOCH_START, SAVE, RESUME, EVAL = "data (epoch start)", "checkpoint save", "resume", "evaluation"
-WAITING_PHASES = frozenset({REDUCE, LOG})
-"""Phases in which a rank only waits for the others (the step's reduction, the log step's gathers)."""
 LONG_PHASES = frozenset({EPOCH_START, SAVE, RESUME, EVAL})
 """Phases of the long timeout: work that is legitimately slow (files, a whole evaluation, a loader's warm-up)."""
 STALE_BEATS = 3
@@ -93,6 +92,8 @@ class Watchdog:
     started: bool = False
     """The first step has ended (the start-up timeout no longer applies)."""
     fired: dict | None = None
+    frozen_s: float = 0.0
+    """How long this process was stopped (its thread did not run), if it was."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -144,16 +145,21 @@ class Watchdog:
                 "alive": time.time(), "born": self.born, "started": self.started, "state": state}
 
     def publish(self, state: str = "running") -> None:
+        if not self.enabled:
+            return
         try:
             write_json_atomic(self.out / "heartbeat" / f"rank_{self.rank}.json", self.beat(state), fsync=False)
         except OSError:
             pass  # a full or vanished file system must not end a rank that is training
 
     def _run(self) -> None:
-        last = 0.0
+        last = woke = time.time()
         tick = min(1.0, self.heartbeat_s / 2)
         while not self._stop.wait(tick):
             now = time.time()
+            if now - woke > STALE_BEATS * self.heartbeat_s:  # this thread did not run: the whole process was stopped
+                self.frozen_s = now - woke
+            woke = now
             if now - last >= self.heartbeat_s:
                 self.publish()
                 last = now
@@ -175,14 +181,20 @@ class Watchdog:
         print(f"[convit-scale] rank {self.rank} on {self.node}: no progress for {waited:.0f} s in "
               f"{where(self.step, self.phase)}; every thread's stack (also in {stacks}):\n{stacks.read_text()}",
               file=sys.stderr, flush=True)
+        children = child_states()  # now: once a rank ends, the job's kill continues (SIGCONT) stopped workers
         trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self.backend == "nccl" else None
         self.publish("hung")
         time.sleep(min(2.0, self.heartbeat_s))  # the other ranks that fire now publish their state too
-        beats = read_beats(self.out / "heartbeat", self.launch)
-        verdict = who_stopped(beats, self.world_size, time.time(), self.heartbeat_s)
+        if self.frozen_s:  # continued after a stop (the job's kill sends SIGCONT first): this rank is the one
+            verdict = {"culprits": [{"rank": self.rank, "node": self.node, "step": self.step, "phase": self.phase}],
+                       "waiting": [], "summary": f"rank {self.rank} on {self.node} was stopped for "
+                       f"{self.frozen_s:.0f} s (its watchdog did not run) in {where(self.step, self.phase)}"}
+        else:
+            beats = read_beats(self.out / "heartbeat", self.launch)
+            verdict = who_stopped(beats, self.world_size, time.time(), self.heartbeat_s)
         report = {"rank": self.rank, "node": self.node, "pid": self.pid, "step": self.step, "phase": self.phase,
                   "waited_s": round(waited, 1), "limit_s": limit, "time": time.time(), "since": self.since,
-                  "stacks": str(stacks), "nccl_trace": trace, "children": child_states(), **verdict}
+                  "stacks": str(stacks), "nccl_trace": trace, "children": children, **verdict}
         write_json_atomic(hangs / f"rank_{self.rank}.json", report, fsync=False)
         print(f"[convit-scale] hang: {verdict['summary']}", file=sys.stderr, flush=True)
         self.fired = report
@@ -191,6 +203,14 @@ class Watchdog:
 
 
 def _exit_hang(report: dict) -> None:
+    """End the process; its DataLoader workers first: a stopped one would never see its parent go (torch's workers
+    check every few seconds), and outlive the job where the cluster does not track processes (proctrack/linuxproc
+    loses a reparented one)."""
+    for child in report.get("children", []):
+        try:
+            os.kill(child["pid"], signal.SIGKILL)
+        except OSError:
+            pass
     sys.stderr.flush()
     os._exit(EXIT_HANG)
 
@@ -249,8 +269,9 @@ def who_stopped(beats: list[dict], world_size: int, now: float, heartbeat_s: flo
 
     1. ranks with no heartbeat, or whose heartbeat is older than ``STALE_BEATS`` periods (the process is stopped
        or dead);
-    2. else the ranks not waiting in a collective (``WAITING_PHASES``) while some others are;
-    3. else the rank furthest behind (the lowest step, then the oldest phase).
+    2. else the ranks furthest behind (``faults.progress_key``: the step, then the phase within it: data, then
+       forward/backward, then the reduction) while others went further and wait for them in a collective;
+    3. else, all at the same point, the one there longest.
 
     Returns culprits and waiting ranks (rank, node, step, phase, since), and a one-line summary."""
     seen = {b["rank"] for b in beats}
@@ -258,13 +279,15 @@ def who_stopped(beats: list[dict], world_size: int, now: float, heartbeat_s: flo
     stale = [b for b in beats if now - b["alive"] > STALE_BEATS * heartbeat_s and b.get("state") != "hung"]
     if stale or missing:
         culprits, why = sorted(stale, key=lambda b: b["alive"]), "stopped responding (no heartbeat for {age:.0f} s)"
+    elif beats:
+        behind = min(progress_key(b["step"], b["phase"]) for b in beats)
+        late = [b for b in beats if progress_key(b["step"], b["phase"]) == behind]
+        if len(late) < len(beats):  # the others went further and wait for these (in a collective)
+            culprits, why = sorted(late, key=lambda b: b["since"]), "made no progress for {age:.0f} s"
+        else:  # all at the same point: the one there longest
+            culprits, why = [min(beats, key=lambda b: b["since"])], "was the first to stop ({age:.0f} s ago)"
     else:
-        busy = [b for b in beats if b["phase"] not in WAITING_PHASES]
-        if busy and len(busy) < len(beats):
-            culprits, why = sorted(busy, key=lambda b: b["since"]), "made no progress for {age:.0f} s"
-        else:
-            first = min(beats, key=lambda b: (b["step"], b["since"])) if beats else None
-            culprits, why = ([first] if first else []), "was furthest behind ({age:.0f} s without progress)"
+        culprits, why = [], ""
     names = {b["rank"] for b in culprits}
     waiting = [b for b in beats if b["rank"] not in names]
     keep = ("rank", "node", "step", "phase", "since", "alive", "pid")
