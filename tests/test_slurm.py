@@ -252,18 +252,18 @@ def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_an
     assert kinds == [("crash", 1, "n2", "restart"), ("hang", 1, "n2", "restart"), ("hang", 0, "n1", "restart"),
                      ("crash", 1, "n2", "restart"), ("crash", 1, "n2", "stop")], (kinds, text[-4000:])
     assert recs[0]["signal"] == 9 and recs[3]["step"] == recs[4]["step"] == 39  # killed as step 40 began
-    assert recs[1]["phase"] in ("data", "forward/backward") and recs[1]["waiting"] == [0]
+    assert recs[1]["phase"] in ("data", "forward/backward", "reduction", "log step") and recs[1]["waiting"] == [0]
     assert recs[2]["phase"] == "data" and recs[2]["stopped_workers"] and recs[2]["waiting"] == [1]
     for r, t in zip(recs[1:3], injected[1:3]):  # a hang: the stacks within the timeout (6 s) and a few seconds
         assert r["time"] - t < FAST_FAULTS["hang_timeout_s"] + 10 and Path(r["stacks"]).is_file()
     assert all(r["back_s"] > 0 and r["steps_redone"] >= 0 and r["first_new_step"] == r["resumed_from"] + 1
-               for r in recs[:4]), recs
-    assert "fault: crash (signal 9) of rank 1 on n2 in step" in text
-    assert "fault: hang of rank 1 on n2 in step" in text and "ranks 0 were waiting for it" in text
+               for r in recs[:3]), recs  # the 4th start never made a step: its record stays open
+    assert "== fault: crash (signal 9) of rank 1 on n2 in " in text
+    assert "== fault: hang of rank 1 on n2 in " in text and "ranks 0 were waiting for it" in text
     assert "fault: hang of rank 0 on n1 in step" in text and "(data)" in text and "stopped loader worker" in text
     assert "Current thread" in text or "Thread 0x" in text  # the stacks are in the job log
     assert text.count("in this allocation: a new srun step from the newest checkpoint") == 4
-    assert ("error: fault: crash (signal 9) of rank 1 on n2 in step 40 (data)" in text
+    assert ("error: fault: crash (signal 9) of rank 1 on n2 in data (epoch start) after step 39" in text
             and "(the same failure at the same step as the last start); no checkpoint newer than at this start" in text)
     assert "recovered from the hang of rank 1 on n2" in text
     steps = [r["step"] for r in records(out)]

@@ -1,6 +1,7 @@
 """The rehearsal: a Table 1 Slurm script's multi-node job at its real rank count, end to end, on this machine.
 
     python -m convit_scale.rehearsal [--script slurm/convit_base_plus.sh] [--out runs/rehearsal] [overrides ...]
+    python -m convit_scale.rehearsal --fault all|kill|stop|worker|node   (unplanned failures: rehearsal/faults.py)
 
 starts the local Slurm cluster (cluster.py) with the script's nodes, each declaring as many CPUs and
 count-only GPUs as the script has tasks per node (4 x 8 for convit_base_plus.sh), and submits the script itself: its
@@ -111,7 +112,7 @@ def canonical_groups(*worlds: int) -> int:
 
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int,
-                 requeue_world: int | None = None) -> Path:
+                 requeue_world: int | None = None, extra: dict | None = None) -> Path:
     """The rehearsal's recipe at the job's world size: convit_nano on the Fashion-MNIST shards, as many canonical
     groups as both world sizes take whole, 2 images each (Mixup/CutMix pair a group's images): 32 ranks, 32 groups,
     global batch 64, 7 steps an epoch; 32 ranks requeued onto 24, 96 groups, global batch 192, 2 steps an epoch.
@@ -131,6 +132,8 @@ def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, 
         "log": {"every_steps": 1, "progress": False},
         "run": {"output_dir": str(out)},
     }
+    for section, values in (extra or {}).items():  # the fault rehearsal's checkpoints, watchdog and workers
+        recipe.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(recipe))
     load_config(path, [])  # refuses a bad override now, with the key, not in 32 ranks' logs
     return path
@@ -435,6 +438,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requeue-nodes", type=int, default=None,
                    help="the nodes the requeued job comes back on (default: one fewer than the script's; its node "
                         "count: the same nodes)")
+    p.add_argument("--fault", default="none", choices=("none", "all", "kill", "stop", "worker", "node"),
+                   help="instead of the preemption: unplanned failures after step --signal-at, one job each (all) or "
+                        "a chosen one: a rank killed, a rank stopped, a loader worker stopped, a node lost "
+                        "(rehearsal/faults.py)")
     p.add_argument("overrides", nargs="*", help="parallel.KEY=VALUE: another layout than the recipe's")
     return p
 
@@ -538,12 +545,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a recipe or override refused by load_config
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from . import faults
+
     try:
-        result = rehearse(args, shape, parallel)
+        result = rehearse(args, shape, parallel) if args.fault == "none" else faults.rehearse_faults(args, shape,
+                                                                                                   parallel)
     except JobFailed as e:
         print(f"rehearsal failed: {e}", file=sys.stderr)
         return 1
-    report(result)
+    (report if args.fault == "none" else faults.report)(result)
     return 0 if all(v is None for v in result["checks"].values()) else 1
 
 
