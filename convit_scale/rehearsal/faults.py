@@ -14,9 +14,32 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+from .cluster import LocalSlurm
+from .run import (
+    ELASTIC_RTOL,
+    REPO,
+    JobFailed,
+    Refused,
+    Watch,
+    _parser,
+    _refuse_bad_input,
+    layout,
+    losses_differ,
+    prepare_data,
+    read_script,
+    run_uninterrupted,
+    steps_and_losses,
+    submit,
+    write_recipe,
+)
+from .run import main as preemption
 
 KINDS = ("kill", "stop", "worker", "node")
 FAULT_SECTION = {"hang_timeout_s": 60, "heartbeat_s": 5, "collective_timeout_s": 120, "startup_timeout_s": 900,
@@ -71,7 +94,6 @@ def _ready(watch, out: Path, world: int, after_step: int) -> bool:
 
 def run_fault(slurm, shape, kind: str, recipe: Path, data: Path, out: Path, launcher: str, after_step: int) -> dict:
     """One job with one fault; returns its figures and what the run recorded."""
-    from .run import Watch, submit
 
     log = out.parent / f"{out.name}.out"
     min_nodes = shape.nodes - 1 if kind == "node" else None
@@ -98,7 +120,6 @@ def run_fault(slurm, shape, kind: str, recipe: Path, data: Path, out: Path, laun
 
 def check(kind: str, result: dict, baseline, rtol: float | None) -> dict[str, str | None]:
     """Each check's failure, or None when it holds."""
-    from .run import losses_differ, steps_and_losses
 
     rec, hit, watch = result["record"], result["injected"], result["watch"]
     named = (rec["kind"], rec.get("node")) == (hit["kind"], hit["node"]) and (
@@ -121,11 +142,7 @@ def check(kind: str, result: dict, baseline, rtol: float | None) -> dict[str, st
 
 def rehearse_faults(args, shape, parallel: dict) -> dict:
     """The uninterrupted job, then one job per fault kind, on a fresh local cluster; the JSON report."""
-    import shutil
-    import tempfile
 
-    from .cluster import LocalSlurm
-    from .run import ELASTIC_RTOL, REPO, JobFailed, prepare_data, run_uninterrupted, write_recipe
 
     kinds = KINDS if args.fault == "all" else (args.fault,)
     out = (REPO / args.out).resolve()
@@ -172,3 +189,33 @@ def report(result: dict) -> None:
               f"first new step {f['fault_to_first_new_step_s']} s, {f['steps_redone']} step(s) redone from checkpoint "
               f"step {f['resumed_from']}")
     print(f"  written to {result['out']}/faults.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m convit_scale.rehearsal``: the preemption rehearsal (run.py), or with ``--fault`` this one."""
+
+    parser = _parser()
+    parser.add_argument("--fault", default="none", choices=("none", "all", *KINDS),
+                        help="instead of the preemption: unplanned failures after step --signal-at, one job each "
+                             "(all) or a chosen one: a rank killed, a rank stopped, a loader worker stopped, a node "
+                             "lost (rehearsal/faults.py)")
+    args = parser.parse_args(argv)
+    if args.fault == "none":
+        given = list(argv if argv is not None else sys.argv[1:])
+        rest = [a for i, a in enumerate(given) if a != "--fault=none" and not (
+            a == "--fault" or (i > 0 and given[i - 1] == "--fault"))]
+        return preemption(rest)
+    try:
+        shape = read_script((REPO / args.script).resolve())
+        _refuse_bad_input(args, shape)
+        parallel = layout(shape, args.overrides)
+    except (Refused, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = rehearse_faults(args, shape, parallel)
+    except JobFailed as e:
+        print(f"rehearsal failed: {e}", file=sys.stderr)
+        return 1
+    report(result)
+    return 0 if all(v is None for v in result["checks"].values()) else 1

@@ -438,10 +438,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requeue-nodes", type=int, default=None,
                    help="the nodes the requeued job comes back on (default: one fewer than the script's; its node "
                         "count: the same nodes)")
-    p.add_argument("--fault", default="none", choices=("none", "all", "kill", "stop", "worker", "node"),
-                   help="instead of the preemption: unplanned failures after step --signal-at, one job each (all) or "
-                        "a chosen one: a rank killed, a rank stopped, a loader worker stopped, a node lost "
-                        "(rehearsal/faults.py)")
     p.add_argument("overrides", nargs="*", help="parallel.KEY=VALUE: another layout than the recipe's")
     return p
 
@@ -545,15 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a recipe or override refused by load_config
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from . import faults
-
     try:
-        result = rehearse(args, shape, parallel) if args.fault == "none" else faults.rehearse_faults(args, shape,
-                                                                                                   parallel)
+        result = rehearse(args, shape, parallel)
     except JobFailed as e:
         print(f"rehearsal failed: {e}", file=sys.stderr)
         return 1
-    (report if args.fault == "none" else faults.report)(result)
+    report(result)
     return 0 if all(v is None for v in result["checks"].values()) else 1
 
 
