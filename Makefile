@@ -55,6 +55,7 @@ test: setup cpu-adam
 # About 10-11 minutes on 2 idle cores (three starts of 32 interpreters) and 14 GB of memory: not part of `make test`.
 # REHEARSAL_ARGS: e.g. "--script slurm/deit_base_plus.sh", "--requeue-nodes 4" or "parallel.hsdp_replicas=1".
 REHEARSAL_ARGS ?=
+# REHEARSAL_ARGS="--fault all" (or kill, stop, worker, node): unplanned failures instead (docs/failures.md).
 rehearsal: setup
 	$(PY) -m convit_scale.rehearsal $(REHEARSAL_ARGS)
 

@@ -98,6 +98,26 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
             t.copy_(moved)
 
 
+def set_timeout(seconds: float) -> bool:
+    """Make ``seconds`` the timeout of every later collective of every process group of this rank (the default one
+    and its subgroups: FSDP2's mesh, DeepSpeed's), as torchtitan shortens it after the first step. torch >= 2.10 has
+    ``dist.set_timeout``; 2.6-2.9 the same as ``distributed_c10d._set_pg_timeout``; both reach gloo and NCCL.
+    Returns whether it was set (False without a process group, or on a torch with neither)."""
+    if not is_initialized():
+        return False
+    c10d = dist.distributed_c10d
+    setter = getattr(dist, "set_timeout", None) or getattr(c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {})) or [None]:
+        try:
+            setter(timeout, group)
+        except (ValueError, RuntimeError, AssertionError):  # a group this rank is not in, a backend without it (MPI)
+            continue
+    return True
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

@@ -412,14 +412,55 @@ class CheckpointConfig:
     """Keep the newest K complete checkpoints."""
     resume: str = "auto"
     """'auto' = newest complete checkpoint in output_dir/checkpoints if any, 'none', or a path."""
+    every_minutes: float | None = None
+    """Also save once this many minutes passed since the last save (rank 0's clock, agreed in the step's reduction:
+    every rank saves after the same step); None = by steps and epochs only. `convit-scale plan --mtbf-hours`
+    suggests a value (the Young/Daly interval)."""
 
     def validate(self, fail) -> None:
+        if self.every_minutes is not None and not self.every_minutes > 0:
+            fail("checkpoint.every_minutes", self.every_minutes, "must be > 0, or null")
         if self.keep_last < 1:
             fail("checkpoint.keep_last", self.keep_last, "must be >= 1")
         if self.every_epochs < 1:
             fail("checkpoint.every_epochs", self.every_epochs, "must be >= 1")
         if self.every_steps is not None and self.every_steps < 1:
             fail("checkpoint.every_steps", self.every_steps, "must be >= 1, or null")
+
+
+@dataclass
+class FaultConfig:
+    """Unplanned failures (docs/failures.md): every rank's watchdog ends a rank that makes no progress, after writing
+    its threads' stacks; the Slurm launcher restarts the run from its newest checkpoint."""
+
+    hang_timeout_s: float = 120.0
+    """During training steps: end a rank whose step makes no progress (data, forward/backward, reduction) for this
+    long, after writing every thread's stack (the log and run_dir/hangs/)."""
+    startup_timeout_s: float = 1800.0
+    """From the process's start to the end of the first step (rendezvous, loaders, model, resume and a universal
+    checkpoint's conversion, the first step's compilation)."""
+    long_phase_timeout_s: float = 1800.0
+    """Checkpoint save and load, evaluation and the epoch analysis, and an epoch's first batch."""
+    collective_timeout_s: float = 300.0
+    """The process group's timeout after the first step (parallel.timeout_s before it, and during the long
+    phases): more than hang_timeout_s, so that the watchdog, which names the rank that stopped, ends a hang first."""
+    heartbeat_s: float = 10.0
+    """How often each rank's watchdog writes run_dir/heartbeat/rank_<r>.json (its step, phase and time), which the
+    others read to name the rank that stopped first."""
+    enabled: bool = True
+    """Run the watchdog (off: a hang waits for the collective timeout and names no rank)."""
+
+    def validate(self, fail) -> None:
+        for key in ("hang_timeout_s", "startup_timeout_s", "long_phase_timeout_s", "heartbeat_s"):
+            if not getattr(self, key) > 0:
+                fail(f"fault.{key}", getattr(self, key), "must be > 0 (seconds)")
+        if self.heartbeat_s * 3 > self.hang_timeout_s:
+            fail("fault.heartbeat_s", self.heartbeat_s, f"must be at most a third of fault.hang_timeout_s "
+                 f"({self.hang_timeout_s}): a rank is taken for stopped after 3 heartbeats without one")
+        if self.collective_timeout_s <= self.hang_timeout_s:
+            fail("fault.collective_timeout_s", self.collective_timeout_s,
+                 f"must be more than fault.hang_timeout_s ({self.hang_timeout_s}): the watchdog names a hang only if "
+                 f"it fires before the collective times out")
 
 
 @dataclass
@@ -508,6 +549,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
     paper: PaperConfig = field(default_factory=PaperConfig)

@@ -15,6 +15,7 @@
 #   STOP_GRACE_S  torchrun only: seconds the ranks get, after the pre-timeout signal, to save before
 #                 torchrun kills them (default 300; keep it under the script's --signal=USR1@T)
 #   MAX_REQUEUES  how many times the job may requeue itself (default 50), compared with SLURM_RESTART_COUNT
+#   MAX_RESTARTS  how many new srun steps one allocation may start after unplanned failures (default 10)
 # CPUs: each rank gets its share of the job's CPUs and as many OpenMP threads (OMP_NUM_THREADS): srun
 # gives every task --cpus-per-task; torchrun gets all of the node's CPUs and splits them among its ranks.
 # Node range: sbatch --nodes=MIN-MAX starts (and restarts after a requeue) on any count in it; each count's
@@ -24,6 +25,12 @@
 # $OUTPUT_DIR/STOPPED_FOR_REQUEUE. The job requeues itself (and resumes from the newest checkpoint) only
 # when that marker was written during this run's training step AND the step's exit status is one a stop
 # gives (75, or what srun and torchrun make of it; see below).
+# Unplanned failures (docs/failures.md): a rank that crashes, runs out of memory, hangs (its watchdog, or another
+# rank's, ends it) or a node that is lost ends the srun step; python -m convit_scale.faults writes one line here and a
+# record in $OUT/faults.jsonl, and the job resumes from the newest checkpoint by itself: a new srun step inside the
+# allocation while all its nodes are healthy (no queue wait), else a requeue onto the nodes Slurm still has (a node
+# range job continues on fewer). Only when the run made progress since the last start (a newer checkpoint): the same
+# failure at the same step twice ends the job with a one-line diagnosis.
 set -uo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 source "$(dirname "${BASH_SOURCE[0]}")/site_hook.sh"  # SITE_SCRIPT, SRUN_ARGS, site_report
@@ -36,6 +43,11 @@ esac
 MAX_REQUEUES=${MAX_REQUEUES:-50}
 if ! [[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]]; then
     echo "error: MAX_REQUEUES=$MAX_REQUEUES is not allowed; use a whole number >= 0 (default 50)" >&2
+    exit 2
+fi
+MAX_RESTARTS=${MAX_RESTARTS:-10}
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+    echo "error: MAX_RESTARTS=$MAX_RESTARTS is not allowed; use a whole number >= 0 (default 10)" >&2
     exit 2
 fi
 PY=${PYTHON:-.venv/bin/python}
@@ -120,47 +132,46 @@ fi
     || { echo "error: recipe refused"; exit 2; }
 
 # A marker left by an earlier run must not requeue this one: only a marker written by this step counts.
-rm -f "$MARKER"
-if [ -e "$MARKER" ]; then
-    echo "error: cannot remove the stale requeue marker $MARKER" >&2
-    exit 2
-fi
-if [ "$LAUNCHER" = torchrun ]; then
-    export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
-    export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-300}
-    # One task per node (explicit --ntasks: the job's SLURM_NTASKS would ask for one per GPU) with all of
-    # the node's CPUs, unbound, for torchrun to share among its ranks.
-    # shellcheck disable=SC2086
-    srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$STEP_CPUS" --cpu-bind=none \
-        --kill-on-bad-exit=1 $SRUN_ARGS bash -c "echo \"== node \$SLURM_NODEID: torchrun has \$SLURM_CPUS_PER_TASK CPUs, \
+clear_marker() {
+    rm -f "$MARKER"
+    if [ -e "$MARKER" ]; then
+        echo "error: cannot remove the stale requeue marker $MARKER" >&2
+        exit 2
+    fi
+}
+
+# One training step of the job (srun), its messages (srun's and the ranks' standard error) also in $STEP_LOG for the
+# diagnosis of a failure.
+run_training() {
+    if [ "$LAUNCHER" = torchrun ]; then
+        export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+        export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-300}
+        # One task per node (explicit --ntasks: the job's SLURM_NTASKS would ask for one per GPU) with all of
+        # the node's CPUs, unbound, for torchrun to share among its ranks.
+        # shellcheck disable=SC2086
+        srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$STEP_CPUS" --cpu-bind=none \
+            --kill-on-bad-exit=1 $SRUN_ARGS bash -c "echo \"== node \$SLURM_NODEID: torchrun has \$SLURM_CPUS_PER_TASK CPUs, \
 ranks get OMP_NUM_THREADS=\$OMP_NUM_THREADS\"; exec '$PY' -m torch.distributed.run \
-        --nnodes=$NODES --nproc-per-node=$GPUS --node-rank=\$SLURM_NODEID \
-        --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT \
-        -m convit_scale.train --recipe '$RECIPE' $(printf "'%s' " "${args[@]}")"
-else
-    # Explicit counts: the job's own SLURM_NTASKS is its submission's after a requeue onto fewer nodes.
-    # shellcheck disable=SC2086
-    srun --nodes="$NODES" --ntasks="$((NODES * TASKS_PER_NODE))" --ntasks-per-node="$TASKS_PER_NODE" \
-        --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 $SRUN_ARGS "$PY" -m convit_scale.train --recipe "$RECIPE" "${args[@]}"
-fi
-rc=$?
-stopped=no
-if [ -f "$MARKER" ]; then
-    # The step's status after a stop: 75; or 143/137 when the first task to exit with 75 made srun
-    # (--kill-on-bad-exit) end the others before they exited themselves (srun reports the highest
-    # status, a signal as 128+N); torchrun: 1, which torch.distributed.run returns when its ranks exit
-    # non-zero, 75 included.
-    case "$LAUNCHER:$rc" in
-        *:75 | *:143 | *:137 | torchrun:1) stopped=yes ;;
-    esac
-fi
-if [ $stopped = yes ]; then
-    restarts=${SLURM_RESTART_COUNT:-0}
+            --nnodes=$NODES --nproc-per-node=$GPUS --node-rank=\$SLURM_NODEID \
+            --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT \
+            -m convit_scale.train --recipe '$RECIPE' $(printf "'%s' " "${args[@]}")"
+    else
+        # Explicit counts: the job's own SLURM_NTASKS is its submission's after a requeue onto fewer nodes.
+        # shellcheck disable=SC2086
+        srun --nodes="$NODES" --ntasks="$((NODES * TASKS_PER_NODE))" --ntasks-per-node="$TASKS_PER_NODE" \
+            --cpus-per-task="$STEP_CPUS" --kill-on-bad-exit=1 $SRUN_ARGS "$PY" -m convit_scale.train --recipe "$RECIPE" \
+            "${args[@]}"
+    fi
+}
+
+# Requeue the job (it resumes from the newest checkpoint), at most MAX_REQUEUES times; ends this script.
+requeue_job() {
+    local restarts=${SLURM_RESTART_COUNT:-0}
     if [ "$restarts" -ge "$MAX_REQUEUES" ]; then
-        echo "error: job ${SLURM_JOB_ID:-?} stopped with a checkpoint but was already requeued $restarts times (MAX_REQUEUES=$MAX_REQUEUES); not requeueing: resubmit to resume from $OUT/checkpoints" >&2
+        echo "error: job ${SLURM_JOB_ID:-?} $1 but was already requeued $restarts times (MAX_REQUEUES=$MAX_REQUEUES); not requeueing: resubmit to resume from $OUT/checkpoints" >&2
         exit 1
     fi
-    echo "== stopped before the time limit with a checkpoint; requeueing job ${SLURM_JOB_ID:-?} ($((restarts + 1)) of at most $MAX_REQUEUES)"
+    echo "== $2; requeueing job ${SLURM_JOB_ID:-?} ($((restarts + 1)) of at most $MAX_REQUEUES)"
     # The requeue ends this script (SIGTERM, SIGKILL after the cluster's KillWait): it first asks for the node
     # range again (below).
     trap '' TERM
@@ -177,11 +188,57 @@ if [ $stopped = yes ]; then
         echo "warning: could not reset the requeued job's task and CPU counts: it restarts on $NODES node(s) only" >&2
     fi
     exit 0
-fi
-if [ $rc -eq 75 ]; then
-    echo "== training exited with 75 but wrote no $MARKER in this run: not requeueing"
-elif [ -f "$MARKER" ]; then
-    echo "== $MARKER is ignored: training exited with status $rc"
-fi
-echo "== training exited with status $rc"
-exit $rc
+}
+
+# NCCL's flight recorder keeps the last collectives of every rank; the watchdog writes it with its stacks, and NCCL
+# itself on a collective timeout (into the run folder's hangs/).
+mkdir -p "$OUT/hangs"
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$OUT/hangs/nccl_trace_rank_}
+JOB_NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, -)
+STEP_LOG="$OUT/hangs/last_step.err"
+attempt=0
+while :; do
+    clear_marker
+    "$PY" -m convit_scale.faults start --out "$OUT" --job "${SLURM_JOB_ID:-}" --restart "${SLURM_RESTART_COUNT:-0}" \
+        --nodes "$JOB_NODES"
+    : > "$STEP_LOG"
+    run_training 2> >(tee -a "$STEP_LOG" >&2)
+    rc=$?
+    wait $! 2>/dev/null  # tee has written every line of the step
+    stopped=no
+    if [ -f "$MARKER" ]; then
+        # The step's status after a stop: 75; or 143/137 when the first task to exit with 75 made srun
+        # (--kill-on-bad-exit) end the others before they exited themselves (srun reports the highest
+        # status, a signal as 128+N); torchrun: 1, which torch.distributed.run returns when its ranks exit
+        # non-zero, 75 included.
+        case "$LAUNCHER:$rc" in
+            *:75 | *:143 | *:137 | torchrun:1) stopped=yes ;;
+        esac
+    fi
+    if [ $stopped = yes ]; then
+        requeue_job "stopped with a checkpoint" "stopped before the time limit with a checkpoint"
+    fi
+    if [ $rc -eq 75 ]; then
+        echo "== training exited with 75 but wrote no $MARKER in this run: not requeueing"
+    elif [ -f "$MARKER" ]; then
+        echo "== $MARKER is ignored: training exited with status $rc"
+    fi
+    # Finished (0), refused (2: bad input, data) or stopped by the non-finite policy (3): no restart repeats it.
+    case $rc in 0 | 2 | 3 | 75) echo "== training exited with status $rc"; exit $rc ;; esac
+    # An unplanned failure (a crash, an OOM, a hang ended by the watchdog, a lost node): one line and a record in
+    # $OUT/faults.jsonl, then a restart from the newest checkpoint if the run made progress since this start.
+    action=$("$PY" -m convit_scale.faults end --out "$OUT" --rc "$rc" --log "$STEP_LOG" --nodes "$JOB_NODES" \
+        --max-restarts "$MAX_RESTARTS") || action=stop
+    case $action in
+        restart)
+            attempt=$((attempt + 1))
+            echo "== restart $attempt of at most $MAX_RESTARTS in this allocation: a new srun step from the newest checkpoint" ;;
+        requeue)
+            requeue_job "lost a node" "a node of the allocation is down or drained" ;;
+        *)
+            echo "== training exited with status $rc"
+            exit $rc ;;
+    esac
+done

@@ -186,3 +186,11 @@ def test_the_command_runs_from_any_folder(tmp_path):
     res = subprocess.run([sys.executable, "-m", "convit_scale.rehearsal", "--help"], capture_output=True, text=True,
                          cwd=tmp_path, env=env)
     assert res.returncode == 0 and "--signal-at" in res.stdout, res.stderr
+
+
+def test_the_fault_rehearsal_refuses_bad_input_in_one_line(capsys, tmp_path):
+    from convit_scale.rehearsal.faults import main as fault_main
+
+    assert fault_main(["--fault", "kill", "--signal-at", "9", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == "error: --signal-at 9: allowed: 1 <= --signal-at < --steps (8)\n"
+    assert not (tmp_path / "out").exists()

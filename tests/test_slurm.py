@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from support import REPO, records, tiny_recipe
@@ -174,3 +176,123 @@ def test_requeue_cap_fails_a_job_that_keeps_stopping(slurm, fm_tree, tmp_path):
     assert "== CPUs per rank 2 (node CPUs 2 / 1 rank(s) per node), OMP_NUM_THREADS=2" in text
     assert "== node 0: torchrun has 2 CPUs, ranks get OMP_NUM_THREADS=2" in text  # what the step really got
     assert "Setting OMP_NUM_THREADS environment variable" not in text  # torchrun's default of 1 thread
+
+
+FAST_FAULTS = {"hang_timeout_s": 6, "heartbeat_s": 1, "collective_timeout_s": 30, "startup_timeout_s": 180,
+               "long_phase_timeout_s": 30}
+"""Short watchdog timeouts for the fault tests (a 2-core machine: start-up and saves still get room)."""
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _beats(out):
+    found = {}
+    for f in (out / "heartbeat").glob("rank_*.json"):
+        try:
+            b = json.loads(f.read_text())
+        except ValueError:
+            continue
+        found[b["rank"]] = b
+    return found
+
+
+def _training_past_a_new_checkpoint(out, world=2):
+    """This start saved a checkpoint newer than the one it started from, and every rank is training."""
+    starts = _lines(out / "faults_starts.jsonl")
+    ckpts = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*[0-9]") if (p / "meta.json").is_file()]
+    beats = _beats(out)
+    return bool(starts and ckpts and max(ckpts) > starts[-1]["checkpoint_step"] and len(beats) == world
+                and all(b["state"] == "running" and b["started"] for b in beats.values()))
+
+
+def _children(pid):
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(p) for p in f.read().split()]
+    return kids
+
+
+def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_and_a_repeat_ends_it(slurm, fm_tree,
+                                                                                                  tmp_path):
+    """One 2-node job (srun, one rank per node, a loader worker each) suffers, one after the other: rank 1 killed
+    (SIGKILL), rank 1 stopped (SIGSTOP: rank 0's watchdog ends it), rank 0's loader worker stopped (rank 0's
+    watchdog ends it in its data phase), each after a checkpoint newer than the last start; every one is named in
+    the log and faults.jsonl and the job comes back in a new srun step by itself. Then rank 1 dies at step 40 at
+    every start (CONVIT_SCALE_KILL_AT_STEP): restarted once, then the job ends with the diagnosis, not a loop."""
+    out = tmp_path / "run"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"num_workers": 1, "val_path": ""},
+                         schedule={"epochs": 20, "max_steps": 80}, checkpoint={"every_steps": 3, "keep_last": 2},
+                         fault=FAST_FAULTS)
+    log = tmp_path / "job.out"
+    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
+                       env=_env(recipe, out, fm_tree, CONVIT_SCALE_KILL_AT_STEP="40:1"), cwd=REPO)
+    faults = out / "faults.jsonl"
+    injected = []
+    for what in ("kill rank 1", "stop rank 1", "stop rank 0's worker"):
+        _wait(lambda: _training_past_a_new_checkpoint(out), f"training before '{what}'", log, 300)
+        beats = _beats(out)
+        if what == "kill rank 1":
+            os.kill(beats[1]["pid"], signal.SIGKILL)
+        elif what == "stop rank 1":
+            os.kill(beats[1]["pid"], signal.SIGSTOP)
+        else:
+            for pid in _children(beats[0]["pid"]):
+                os.kill(pid, signal.SIGSTOP)
+        injected.append(time.time())
+        n = len(injected)
+        _wait(lambda: len(_lines(faults)) >= n, f"the record of '{what}'", log, 120)
+    info = slurm.wait_job(job, timeout=600)
+    text = log.read_text()
+    recs = _lines(faults)
+    assert info["JobState"] == "FAILED" and info.get("Restarts") == "0", (info, text[-4000:])
+    kinds = [(r["kind"], r["rank"], r["node"], r["action"]) for r in recs]
+    assert kinds == [("crash", 1, "n2", "restart"), ("hang", 1, "n2", "restart"), ("hang", 0, "n1", "restart"),
+                     ("crash", 1, "n2", "restart"), ("crash", 1, "n2", "stop")], (kinds, text[-4000:])
+    assert recs[0]["signal"] == 9 and recs[3]["step"] == recs[4]["step"] == 39  # killed as step 40 began
+    assert recs[1]["phase"] in ("data", "forward/backward", "reduction", "log step") and recs[1]["waiting"] == [0]
+    assert recs[2]["phase"] == "data" and recs[2]["stopped_workers"] and recs[2]["waiting"] == [1]
+    for r, t in zip(recs[1:3], injected[1:3]):  # a hang: the stacks within the timeout (6 s) and a few seconds
+        assert r["time"] - t < FAST_FAULTS["hang_timeout_s"] + 10 and Path(r["stacks"]).is_file()
+    assert all(r["back_s"] > 0 and r["steps_redone"] >= 0 and r["first_new_step"] == r["resumed_from"] + 1
+               for r in recs[:3]), recs  # the 4th start never made a step: its record stays open
+    assert "== fault: crash (signal 9) of rank 1 on n2 in " in text
+    assert "== fault: hang of rank 1 on n2 in " in text and "ranks 0 were waiting for it" in text
+    assert "fault: hang of rank 0 on n1 in step" in text and "(data)" in text and "stopped loader worker" in text
+    assert "Current thread" in text or "Thread 0x" in text  # the stacks are in the job log
+    assert text.count("in this allocation: a new srun step from the newest checkpoint") == 4
+    assert ("error: fault: crash (signal 9) of rank 1 on n2 in data (epoch start) after step 39" in text
+            and "(the same failure at the same step as the last start); no checkpoint newer than at this start" in text)
+    assert "recovered from the hang of rank 1 on n2" in text
+    steps = [r["step"] for r in records(out)]
+    assert steps == list(range(1, 40)), steps  # every step logged once, up to the one that always fails
+
+
+def test_a_lost_node_requeues_the_job_onto_the_nodes_left(slurm, fm_tree, tmp_path):
+    """A node range job (--nodes=1-2) loses a node: its rank killed and the node drained, as after a failed health
+    check. The allocation is not whole: the job requeues itself and continues on the node left, on 1 rank."""
+    out = tmp_path / "run"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"val_path": ""},
+                         schedule={"epochs": 20, "max_steps": 16}, checkpoint={"every_steps": 3, "keep_last": 2},
+                         fault=FAST_FAULTS)
+    log = tmp_path / "job.out"
+    job = slurm.sbatch("--nodes=1-2", "--ntasks=2", *CPU_SBATCH, f"--output={log}",
+                       str(REPO / "slurm" / "convit_base_plus.sh"), env=_env(recipe, out, fm_tree), cwd=REPO)
+    _wait(lambda: _training_past_a_new_checkpoint(out), "training past a checkpoint", log, 300)
+    lost = next(b for b in _beats(out).values() if b["node"] == slurm.nodes[1])
+    slurm.run("scontrol", "update", f"NodeName={slurm.nodes[1]}", "State=DRAIN", "Reason=test")
+    try:
+        os.kill(lost["pid"], signal.SIGKILL)
+        info = slurm.wait_job(job, timeout=600)
+    finally:
+        slurm.run("scontrol", "update", f"NodeName={slurm.nodes[1]}", "State=RESUME")
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, text[-4000:])
+    (rec,) = _lines(out / "faults.jsonl")
+    assert (rec["kind"], rec["rank"], rec["node"], rec["action"]) == ("node_lost", lost["rank"], "n2", "requeue")
+    assert f"fault: node lost of rank {lost['rank']} on n2" in text and "a node of the allocation is down" in text
+    assert f"resumed step {rec['checkpoint_step']} from 2 rank(s) on 1" in text
+    assert rec["back_s"] > 0 and rec["first_new_step"] == rec["checkpoint_step"] + 1
+    assert [r["step"] for r in records(out)] == list(range(1, 17))

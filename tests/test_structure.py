@@ -30,13 +30,13 @@ ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 
 LAYERS = [
     ["convit_scale.files"],
-    ["convit_scale.comm", "convit_scale.slurm_scripts", "convit_scale.hardware", "convit_scale.console",
-     "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree", "convit_scale.ffcv_threads",
-     "convit_scale.jpeg", "convit_scale.splitmix", "convit_scale.gpu_wheels"],
+    ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
+     "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
+     "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix", "convit_scale.gpu_wheels"],
     ["convit_scale.models"],
     ["convit_scale.config"],
     ["convit_scale.data", "convit_scale.parallel", "data_prep", "convit_scale.trained"],
-    ["convit_scale.evaluation", "convit_scale.planner"],
+    ["convit_scale.evaluation", "convit_scale.planner", "convit_scale.cadence"],
     ["convit_scale.analysis"],
     ["convit_scale.train"],
     ["convit_scale.bench", "convit_scale.experiments", "convit_scale.rehearsal"],

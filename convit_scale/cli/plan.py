@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..cadence import advice_line
 from ..slurm_scripts import SlurmScript, job_scripts
 from .argtypes import fraction, positive_float, positive_int, recipe
 
@@ -66,6 +67,7 @@ def _cmd_plan(args) -> int:
     _print_plan(cfg, args, nodes, gpus, links, cpus)
     _print_links(args.gpu, links)
     _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
+    print(advice_line(cfg.run.output_dir, nodes * gpus, args.mtbf_hours))
     return 0
 
 
@@ -227,5 +229,8 @@ def register(sub) -> None:
     p.add_argument("--inter-gbytes-per-s", type=positive_float, default=None,
                    help="GB/s (bytes) each GPU moves to other nodes, one direction: its share of the node's NICs "
                         f"(default: {LINK_EFFICIENCY * 100:.0f}%% of the reference node's NIC per GPU)")
+    p.add_argument("--mtbf-hours", type=positive_float, default=None,
+                   help="the job's mean time between failures in hours, for the checkpoint interval (default: 7.9 h "
+                        "at 1,024 GPUs, Meta's clusters, scaled to the job's GPUs)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.global_batch_size=2048")
     p.set_defaults(func=_cmd_plan)

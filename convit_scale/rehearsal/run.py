@@ -1,6 +1,7 @@
 """The rehearsal: a Table 1 Slurm script's multi-node job at its real rank count, end to end, on this machine.
 
     python -m convit_scale.rehearsal [--script slurm/convit_base_plus.sh] [--out runs/rehearsal] [overrides ...]
+    python -m convit_scale.rehearsal --fault all|kill|stop|worker|node   (unplanned failures: rehearsal/faults.py)
 
 starts the local Slurm cluster (cluster.py) with the script's nodes, each declaring as many CPUs and
 count-only GPUs as the script has tasks per node (4 x 8 for convit_base_plus.sh), and submits the script itself: its
@@ -111,7 +112,7 @@ def canonical_groups(*worlds: int) -> int:
 
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int,
-                 requeue_world: int | None = None) -> Path:
+                 requeue_world: int | None = None, extra: dict | None = None) -> Path:
     """The rehearsal's recipe at the job's world size: convit_nano on the Fashion-MNIST shards, as many canonical
     groups as both world sizes take whole, 2 images each (Mixup/CutMix pair a group's images): 32 ranks, 32 groups,
     global batch 64, 7 steps an epoch; 32 ranks requeued onto 24, 96 groups, global batch 192, 2 steps an epoch.
@@ -131,6 +132,8 @@ def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, 
         "log": {"every_steps": 1, "progress": False},
         "run": {"output_dir": str(out)},
     }
+    for section, values in (extra or {}).items():  # the fault rehearsal's checkpoints, watchdog and workers
+        recipe.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(recipe))
     load_config(path, [])  # refuses a bad override now, with the key, not in 32 ranks' logs
     return path

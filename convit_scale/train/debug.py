@@ -3,6 +3,10 @@
 - ``CONVIT_SCALE_NAN_AT_STEP=s[:m][,...]``: rank 0's loss of step ``s`` (micro-batch ``m``, default 0) becomes
   NaN (tests of the non-finite policy).
 - ``CONVIT_SCALE_INF_GRAD_AT_STEP=s[:m][,...]``: rank 0's loss stays finite but its gradient becomes inf.
+- ``CONVIT_SCALE_KILL_AT_STEP=s:r[,...]``: rank ``r`` kills itself (SIGKILL, as the OOM killer or a GPU error ends
+  a process) when step ``s`` begins; ``CONVIT_SCALE_STOP_AT_STEP=s:r``: it stops itself (SIGSTOP: a hang);
+  ``CONVIT_SCALE_STOP_WORKER_AT_STEP=s:r``: it stops its DataLoader workers (a loader that never delivers). Every
+  start of the run that reaches step ``s`` suffers it again (tests of the launcher's same-failure-twice rule).
 - ``log.debug_memory``: the memory of live tensors after backward, once (``state_mem_mb``; memory.py).
 - ``log.debug_digest``: a digest of this rank's weights and optimizer state after every step (``state_digest``),
   and the teacher's checksums at start and end.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from dataclasses import dataclass, field
 
 import torch
@@ -38,19 +43,49 @@ def _marks(var: str) -> set[tuple[int, int]]:
     return marks
 
 
+def _process_faults(rank: int) -> dict[int, str]:
+    """{step: "kill" | "stop" | "stop_worker"} of this rank from the environment."""
+    found = {}
+    for var, what in (("CONVIT_SCALE_KILL_AT_STEP", "kill"), ("CONVIT_SCALE_STOP_AT_STEP", "stop"),
+                      ("CONVIT_SCALE_STOP_WORKER_AT_STEP", "stop_worker")):
+        found.update({step: what for step, r in _marks(var) if r == rank})
+    return found
+
+
+def _children() -> list[int]:
+    pids = []
+    for task in os.scandir(f"/proc/{os.getpid()}/task"):
+        with open(f"{task.path}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    return pids
+
+
 @dataclass
 class Faults:
-    """Where to corrupt rank 0's loss; empty sets (the normal case) cost one ``if`` per micro-batch."""
+    """Where to corrupt rank 0's loss, and which step this rank dies or hangs in; empty (the normal case) costs one
+    ``if`` per micro-batch."""
 
     nan_loss: set = field(default_factory=set)
     inf_grad: set = field(default_factory=set)
+    process: dict = field(default_factory=dict)
+    """{step: "kill" | "stop" | "stop_worker"} of this rank."""
 
     @classmethod
     def from_env(cls, rank: int) -> "Faults | None":
-        if rank != 0:
-            return None
-        f = cls(_marks("CONVIT_SCALE_NAN_AT_STEP"), _marks("CONVIT_SCALE_INF_GRAD_AT_STEP"))
-        return f if (f.nan_loss or f.inf_grad) else None
+        f = cls(*((_marks("CONVIT_SCALE_NAN_AT_STEP"), _marks("CONVIT_SCALE_INF_GRAD_AT_STEP")) if rank == 0
+                  else (set(), set())), _process_faults(rank))
+        return f if (f.nan_loss or f.inf_grad or f.process) else None
+
+    def before_step(self, step: int) -> None:
+        """Step ``step`` begins: kill or stop this process, or stop its loader workers, where asked."""
+        what = self.process.get(step)
+        if what == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif what == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif what == "stop_worker":
+            for pid in _children():
+                os.kill(pid, signal.SIGSTOP)
 
     def apply(self, loss: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         if (step, micro) in self.nan_loss:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from .. import comm
 from ..config import Config
@@ -18,9 +19,10 @@ from ..data import DataError
 from ..models.weights import WeightsMismatch
 from .distributed import init_distributed
 from .loop import fit
-from .setup import setup
+from .setup import log, setup
 from .signals import EXIT_REQUEUE, StopSignal
 from .step import NonFiniteLoss
+from .watchdog import Watchdog
 
 EXIT_BAD_INPUT = 2
 """Refused at start-up (data, checkpoint, world size) or data that failed during training: one ``error:`` line."""
@@ -32,21 +34,49 @@ class SetupRefused(RuntimeError):
     """The run cannot start as configured (data, checkpoint, world size): a one-line reason, nothing trained."""
 
 
+def _watchdog(cfg: Config) -> Watchdog:
+    """This rank's watchdog, started before the process group forms (a rendezvous that never completes is a hang
+    too): rank and world size as the launcher set them. With fault.enabled false it only records the phases."""
+    env = os.environ
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    return Watchdog.for_run(cfg.fault, Path(cfg.run.output_dir), rank, world).start()
+
+
+def _outcome(e: BaseException) -> str:
+    """How a rank ended, for its last heartbeat (the launcher's diagnosis reads it: an OutOfMemoryError is an OOM)."""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"failed: {type(e).__name__}: {first[:300]}"
+
+
 def train(cfg: Config) -> str:
     """Run the recipe on this rank; returns "finished" or "stopped" (after a stop signal, saved)."""
-    stop = StopSignal()
-    ctx = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+    stop, watch, outcome = StopSignal(), _watchdog(cfg), "ended"
     try:
+        ctx = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+    except BaseException as e:
+        watch.stop(_outcome(e))
+        stop.restore()
+        raise
+    try:
+        watch.backend = ctx.backend
+        if cfg.fault.enabled:
+            log(ctx, watch.describe())
         try:
-            run, state = setup(cfg, ctx, stop)
+            run, state = setup(cfg, ctx, stop, watch)
         except (DataError, FileNotFoundError, WeightsMismatch, ValueError) as e:
             raise SetupRefused(str(e)) from e
         try:
-            return fit(run, state)
+            outcome = fit(run, state)
+            return outcome
         finally:
             run.metrics.close()
             run.strategy.close()
+    except BaseException as e:
+        outcome = _outcome(e)
+        raise
     finally:
+        watch.stop(outcome)
         stop.restore()
         if ctx.owns_group:
             comm.destroy()

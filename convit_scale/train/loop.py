@@ -11,9 +11,10 @@ checkpointed periodically, on a stop signal and at the end.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
-from .. import comm, evaluation
+from .. import comm, evaluation, faults
 from ..analysis.during_training import epoch_analysis
 from .checkpoint import save_best, save_checkpoint
 from .debug import checksum, state_digest
@@ -23,6 +24,7 @@ from .setup import Run, log
 from .signals import EXIT_REQUEUE
 from .state import TrainState
 from .step import StepResult, steps_of_epoch, train_step
+from .watchdog import EPOCH_START, EVAL, LOG, SAVE
 
 
 def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -> None:
@@ -59,6 +61,12 @@ def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
     cfg = run.cfg
     if run.val_loader is None or not ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
         return
+    with long_phase(run, EVAL):
+        _evaluate_and_analyse(run, state, epoch)
+
+
+def _evaluate_and_analyse(run: Run, state: TrainState, epoch: int) -> None:
+    cfg = run.cfg
     run.strategy.train(False)
     try:
         results = evaluation.evaluate(run.strategy.forward, run.val_loader, run.ctx.device)
@@ -99,9 +107,27 @@ def _meta(run: Run, state: TrainState, reason: str) -> dict:
             "time": time.time()}
 
 
+@contextlib.contextmanager
+def long_phase(run: Run, phase: str):
+    """A phase of the long timeouts (a checkpoint, an evaluation): the watchdog's ``fault.long_phase_timeout_s``, and
+    the process group's start-up timeout (``parallel.timeout_s``) instead of the short one of the steps."""
+    run.watch.mark(phase)
+    short = run.watch.started and comm.set_timeout(run.cfg.parallel.timeout_s)
+    try:
+        yield
+    finally:
+        if short:
+            comm.set_timeout(run.cfg.fault.collective_timeout_s)
+
+
 def save(run: Run, state: TrainState, reason: str):
-    path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last)
-    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason})")
+    t0 = time.time()
+    with long_phase(run, SAVE):
+        path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last)
+    seconds = time.time() - t0
+    state.meters.last_save_time = time.monotonic()
+    run.metrics.write({"kind": "checkpoint", "step": state.step, "reason": reason, "save_s": round(seconds, 3)})
+    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s)")
     return path
 
 
@@ -121,18 +147,46 @@ def _periodic_save(run: Run, state: TrainState, every: int | None, count: int, r
         save(run, state, reason)
 
 
+def _first_step(run: Run, state: TrainState, resumed_from: int) -> None:
+    """After the first step of this start: the short collective timeout from now on (torchtitan's), and, after a
+    restart, the fault that caused it completed with the time back and the steps redone."""
+    if comm.set_timeout(run.cfg.fault.collective_timeout_s):
+        log(run.ctx, f"collective timeout {run.cfg.fault.collective_timeout_s:g} s from now on "
+                     f"(parallel.timeout_s = {run.cfg.parallel.timeout_s} s during start-up, checkpoints, evaluation)")
+    rec = faults.recovered(run.out, resumed_from, state.step) if run.ctx.is_main and resumed_from > 0 else None
+    if rec is not None:
+        log(run.ctx, f"recovered from the {rec['kind'].replace('_', ' ')} of rank {rec.get('rank')} on "
+                     f"{rec.get('node')}: step {state.step} done {rec['back_s']:g} s after it was detected, "
+                     f"{rec['steps_redone']} step(s) redone from checkpoint step {resumed_from}")
+
+
+def _after_step(run: Run, state: TrainState, res: StepResult, resumed_from: int) -> None:
+    """The checkpoints a step may end with (every_steps, every_minutes), then the watchdog's progress mark."""
+    cfg = run.cfg.checkpoint
+    if res.save_due and not (cfg.every_steps and state.step % cfg.every_steps == 0):
+        _periodic_save(run, state, 1, state.step, "every_minutes")
+    _periodic_save(run, state, cfg.every_steps, state.step, "every_steps")
+    first = not run.watch.started
+    run.watch.step_done(state.step)
+    if first:
+        _first_step(run, state, resumed_from)
+
+
 def fit(run: Run, state: TrainState) -> str:
     """Epochs of steps until ``total_steps``; returns "finished", or "stopped" after a stop signal and a save."""
-    cfg = run.cfg
+    cfg, resumed_from = run.cfg, state.step
     run.strategy.train(True)
     with Progress.for_run(run.ctx.is_main, cfg.log.progress, run.total_steps, state.step) as progress:
         while state.step < run.total_steps:
+            run.watch.mark(EPOCH_START, state.step)
+            run.watch.publish()  # where this start begins, at once (a rank may die before the next heartbeat)
             for micro_batches in steps_of_epoch(run, state):
                 res = train_step(run, state, micro_batches)
+                run.watch.mark(LOG, state.step)
                 log_step(run, state, res, progress)
                 if res.stop:
                     return save_and_stop(run, state)
-                _periodic_save(run, state, cfg.checkpoint.every_steps, state.step, "every_steps")
+                _after_step(run, state, res, resumed_from)
             if _epoch_finished(run, state):
                 close_epoch(run, state)
         if not state.meters.final and run.val_loader is not None:  # max_steps ended mid-epoch: evaluate the end

@@ -28,6 +28,7 @@ from .optim import build_optimizer
 from .schedule import peak_lr
 from .signals import StopSignal
 from .state import TrainState
+from .watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Run:
     teacher: torch.nn.Module | None = None
     device_augment: DeviceAugmentConfig | None = None
     """Set: train batches are uint8 crops, augmented on the device from each sample's seed."""
+    watch: Watchdog | None = None
+    """This rank's watchdog (watchdog.py): the loop marks its phases in it."""
 
     @property
     def checkpoints(self) -> Path:
@@ -134,7 +137,7 @@ def _schedule_length(cfg: Config, train_loader: Loader, accum: int) -> tuple[int
     return steps_per_epoch, total_steps
 
 
-def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainState]:
+def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | None = None) -> tuple[Run, TrainState]:
     out = Path(cfg.run.output_dir)
     micro, accum = check_world(cfg, ctx.world_size)
     lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
@@ -163,7 +166,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal) -> tuple[Run, TrainSt
               MetricsWriter(out, ctx.is_main, cfg.log.tensorboard, start_step=state.step,
                             wandb=wandb_options(cfg.log, cfg.run.output_dir, cfg.to_dict())), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher,
-              device_augment=device_augment_config(cfg.data) if on_device else None)
+              device_augment=device_augment_config(cfg.data) if on_device else None,
+              watch=watch or Watchdog.for_run(cfg.fault, out, ctx.rank, ctx.world_size, ctx.backend))
     if teacher is not None:
         check_teacher(teacher, cfg, val_loader, ctx)
     m = state.meters

@@ -6,6 +6,8 @@ import signal
 
 EXIT_REQUEUE = 75
 """Exit status of a run stopped by SIGUSR1/SIGTERM after saving: the Slurm scripts requeue on it."""
+EXIT_HANG = 76
+"""Exit status of a rank that its watchdog ended (no progress within the phase's timeout; watchdog.py)."""
 
 
 class StopSignal:

@@ -23,6 +23,12 @@ class Meters:
     teacher_checksum_start: float | None = None
     final: dict = field(default_factory=dict)
     """The latest evaluation (with the best so far), then the end of the run."""
+    last_save_time: float = field(default_factory=time.monotonic)
+    """When this process last saved (or started): checkpoint.every_minutes counts from it, on rank 0's clock."""
+
+    def save_due(self, every_minutes: float | None) -> bool:
+        """Whether ``every_minutes`` have passed since the last save, on this process's clock."""
+        return every_minutes is not None and time.monotonic() - self.last_save_time >= 60 * every_minutes
 
 
 @dataclass

@@ -19,6 +19,7 @@ from .memory import tensor_memory_mb
 from .schedule import lr_at
 from .setup import Run
 from .state import TrainState
+from .watchdog import COMPUTE, DATA, REDUCE
 
 
 class NonFiniteLoss(RuntimeError):
@@ -38,6 +39,9 @@ class StepTotals(NamedTuple):
     """Ranks that received a stop signal."""
     bad_samples: float
     """Samples the loaders replaced (unreadable or undecodable)."""
+    save_due: float
+    """Rank 0's clock says checkpoint.every_minutes have passed since the last save (0 elsewhere): every rank then
+    saves after this step, whatever its own clock says."""
 
 
 class StepStats:
@@ -68,6 +72,8 @@ class StepResult:
     """Every rank's replaced samples of the step (``Batch.bad``)."""
     sample_ids: list = field(default_factory=list)
     """This rank's samples of the step, in canonical order (``Batch.ids``; for ``log.debug_samples``)."""
+    save_due: bool = False
+    """checkpoint.every_minutes elapsed on rank 0's clock (the same decision on every rank)."""
 
 
 def steps_of_epoch(run: Run, state: TrainState):
@@ -85,17 +91,21 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     """Forward/backward over the step's micro-batches, then one packed all-reduce (``StepTotals``) read by the host
     once: a bad step (non-finite loss or gradient) is skipped on every rank alike before any update, and the
     replaced samples are gathered only when some rank has any."""
-    cfg, ctx, strategy = run.cfg, run.ctx, run.strategy
+    cfg, ctx, strategy, watch = run.cfg, run.ctx, run.strategy, run.watch
+    if run.faults is not None:
+        run.faults.before_step(state.step + 1)
     seed_all(step_seed(cfg.run.seed, state.epoch, state.step))  # the same on every rank: nothing depends on the rank
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
     stats, bad_samples, ids, taken = StepStats(ctx.device), [], [], 0
     for m, batch in enumerate(micro_batches):
+        watch.mark(COMPUTE)
         bad_samples.extend(batch.bad)
         ids.extend(batch.ids or ())
         with strategy.micro_batch(is_last_micro=m == run.accum - 1):
             _micro_step(run, state, batch, m, stats)
         state.batch_in_epoch, taken = state.batch_in_epoch + 1, m + 1
+        watch.mark(DATA)
     if taken != run.accum:
         raise DataError(f"the training loader ended {run.accum - taken} micro-batch(es) early in epoch {state.epoch} "
                         f"(batch {state.batch_in_epoch} of {len(run.train_loader)})")
@@ -105,6 +115,8 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats.add("grad_sq", strategy.grad_square_sum())
     stats.add("stop", float(run.stop.requested))
     stats.add("bad_samples", float(len(bad_samples)))  # gathered below only when some rank has any
+    stats.add("save_due", float(ctx.is_main and state.meters.save_due(cfg.checkpoint.every_minutes)))
+    watch.mark(REDUCE)
     totals = stats.reduce()
     if totals.bad_samples:
         bad_samples = [{**r, "rank": rank} for rank, rs in enumerate(comm.all_gather_object(bad_samples)) for r in rs]
@@ -119,7 +131,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     state.step += 1
     bad = bool(totals.bad_loss or bad_grad)
     return StepResult(totals.loss_sum / (run.accum * ctx.world_size), None if bad else norm, bad, totals.stop > 0,
-                      lr, bad_samples, ids)
+                      lr, bad_samples, ids, totals.save_due > 0)
 
 
 def _sample_draws(run: Run, state: TrainState, batch: Batch, m: int, size: tuple[int, int]) -> tuple:

@@ -1,0 +1,301 @@
+"""Every rank's watchdog: a thread that ends a rank making no progress, after writing where every thread was.
+
+The loop marks its progress (``mark(phase, step)``: two attribute stores, no I/O, no collective). The watchdog thread
+wakes every second; when the current phase has lasted longer than its timeout (``fault.hang_timeout_s`` during steps,
+``fault.startup_timeout_s`` until the first step has ended, ``fault.long_phase_timeout_s`` for checkpoints, resume,
+evaluation and an epoch's first batch) it writes every thread's Python stack (faulthandler, which works from a
+thread), under NCCL the flight recorder's record of the collectives this rank entered, and a report naming the rank
+that stopped first, then ends the process with ``EXIT_HANG``: srun (``--kill-on-bad-exit``) or torchrun end the
+others, and the Slurm launcher restarts the run from its newest checkpoint.
+
+Each rank's thread also publishes its progress every ``fault.heartbeat_s`` in ``run_dir/heartbeat/rank_<r>.json``
+(step, phase, since when, and ``alive``: when the thread last wrote), where the others read it without a collective.
+A rank whose file stopped being written (a stopped or dead process) stopped first; else the one that is not waiting
+in a collective (a loader that never delivers, a kernel that never ends); the others were only waiting for it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from ..faults import COMPUTE, DATA, LOG, REDUCE, progress_key, where
+from ..files import write_json_atomic
+from .signals import EXIT_HANG
+
+__all__ = ["COMPUTE", "DATA", "LOG", "REDUCE", "Watchdog", "who_stopped"]
+STARTUP = "start-up"
+EPOCH_START, SAVE, RESUME, EVAL = "data (epoch start)", "checkpoint save", "resume", "evaluation"
+LONG_PHASES = frozenset({EPOCH_START, SAVE, RESUME, EVAL})
+"""Phases of the long timeout: work that is legitimately slow (files, a whole evaluation, a loader's warm-up)."""
+STALE_BEATS = 3
+"""A rank whose heartbeat is older than this many periods is not responding (stopped, or dead)."""
+
+
+def node_name() -> str:
+    """The Slurm node this rank runs on (SLURMD_NODENAME: several "nodes" may share a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def launch_id() -> str:
+    """One start of the ranks (a Slurm step, a torchrun restart): heartbeats of another start are not compared."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
+        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}-{env.get('MASTER_PORT')}-{env.get('TORCHELASTIC_RESTART_COUNT')}"
+    return f"local-{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}-{os.getppid()}"
+
+
+@dataclass
+class Timeouts:
+    """Seconds a phase may last without progress (``FaultConfig``'s)."""
+
+    step: float
+    startup: float
+    long: float
+
+    def of(self, phase: str, started: bool) -> float:
+        if not started:
+            return max(self.startup, self.long if phase in LONG_PHASES else 0)
+        return self.long if phase in LONG_PHASES else self.step
+
+
+@dataclass
+class Watchdog:
+    """One rank's watchdog thread (the module says what it does). ``on_hang`` ends the process (``os._exit``); tests
+    pass another."""
+
+    out: Path
+    rank: int
+    world_size: int
+    timeouts: Timeouts
+    heartbeat_s: float
+    on_hang: object = None
+    backend: str = "gloo"
+    enabled: bool = True
+    """False: the phases are recorded (``mark``) but no thread watches them and no heartbeat is written."""
+    phase: str = STARTUP
+    step: int = 0
+    since: float = field(default_factory=time.time)
+    started: bool = False
+    """The first step has ended (the start-up timeout no longer applies)."""
+    fired: dict | None = None
+    frozen_s: float = 0.0
+    """How long this process was stopped (its thread did not run), if it was."""
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self):
+        self.node, self.launch, self.pid, self.born = node_name(), launch_id(), os.getpid(), time.time()
+
+    @classmethod
+    def for_run(cls, fault, out: Path, rank: int, world_size: int, backend: str = "gloo") -> "Watchdog":
+        t = Timeouts(fault.hang_timeout_s, fault.startup_timeout_s, fault.long_phase_timeout_s)
+        return cls(Path(out), rank, world_size, t, fault.heartbeat_s, backend=backend, enabled=fault.enabled)
+
+    def describe(self) -> str:
+        t = self.timeouts
+        return (f"watchdog: a rank making no progress is ended after {t.step:g} s in a step, {t.startup:g} s until the "
+                f"first step has ended, {t.long:g} s in checkpoints, resume and evaluation (fault.*); heartbeats every "
+                f"{self.heartbeat_s:g} s in {self.out / 'heartbeat'}")
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        """Progress: this rank entered ``phase`` now (of ``step``, if given). No I/O: the thread publishes it."""
+        self.phase, self.since = phase, time.time()
+        if step is not None:
+            self.step = step
+
+    def step_done(self, step: int) -> None:
+        """A step ended: from the first one on, the start-up timeout no longer applies."""
+        self.started = True
+        self.mark(DATA, step)
+
+    def start(self) -> "Watchdog":
+        if not self.enabled:
+            return self
+        (self.out / "heartbeat").mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="convit-scale-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, state: str = "ended") -> None:
+        """End the thread; the last heartbeat says how the rank ended ("finished", "stopped", "failed: ...")."""
+        if not self.enabled:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.publish(state)
+
+    def beat(self, state: str = "running") -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "node": self.node, "pid": self.pid,
+                "launch": self.launch, "step": self.step, "phase": self.phase, "since": self.since,
+                "alive": time.time(), "born": self.born, "started": self.started, "state": state}
+
+    def publish(self, state: str = "running") -> None:
+        if not self.enabled:
+            return
+        try:
+            write_json_atomic(self.out / "heartbeat" / f"rank_{self.rank}.json", self.beat(state), fsync=False)
+        except OSError:
+            pass  # a full or vanished file system must not end a rank that is training
+
+    def _run(self) -> None:
+        last = woke = time.time()
+        tick = min(1.0, self.heartbeat_s / 2)
+        while not self._stop.wait(tick):
+            now = time.time()
+            if now - woke > STALE_BEATS * self.heartbeat_s:  # this thread did not run: the whole process was stopped
+                self.frozen_s = now - woke
+            woke = now
+            if now - last >= self.heartbeat_s:
+                self.publish()
+                last = now
+            limit = self.timeouts.of(self.phase, self.started)
+            if now - self.since > limit:
+                self.fire(now - self.since, limit)
+                return
+
+    def fire(self, waited: float, limit: float) -> dict:
+        """Stacks, flight recorder, report, then ``on_hang`` (default: end the process with ``EXIT_HANG``)."""
+        hangs = self.out / "hangs"
+        hangs.mkdir(parents=True, exist_ok=True)
+        stacks = hangs / f"rank_{self.rank}.stacks.txt"
+        with open(stacks, "w") as f:
+            f.write(f"rank {self.rank} on {self.node}, pid {self.pid}: no progress for {waited:.0f} s in "
+                    f"{where(self.step, self.phase)} (limit {limit:g} s)\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        print(f"[convit-scale] rank {self.rank} on {self.node}: no progress for {waited:.0f} s in "
+              f"{where(self.step, self.phase)}; every thread's stack (also in {stacks}):\n{stacks.read_text()}",
+              file=sys.stderr, flush=True)
+        children = child_states()  # now: once a rank ends, the job's kill continues (SIGCONT) stopped workers
+        trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self.backend == "nccl" else None
+        self.publish("hung")
+        time.sleep(min(2.0, self.heartbeat_s))  # the other ranks that fire now publish their state too
+        if self.frozen_s:  # continued after a stop (the job's kill sends SIGCONT first): this rank is the one
+            verdict = {"culprits": [{"rank": self.rank, "node": self.node, "step": self.step, "phase": self.phase}],
+                       "waiting": [], "summary": f"rank {self.rank} on {self.node} was stopped for "
+                       f"{self.frozen_s:.0f} s (its watchdog did not run) in {where(self.step, self.phase)}"}
+        else:
+            beats = read_beats(self.out / "heartbeat", self.launch)
+            verdict = who_stopped(beats, self.world_size, time.time(), self.heartbeat_s)
+        report = {"rank": self.rank, "node": self.node, "pid": self.pid, "step": self.step, "phase": self.phase,
+                  "waited_s": round(waited, 1), "limit_s": limit, "time": time.time(), "since": self.since,
+                  "stacks": str(stacks), "nccl_trace": trace, "children": children, **verdict}
+        write_json_atomic(hangs / f"rank_{self.rank}.json", report, fsync=False)
+        print(f"[convit-scale] hang: {verdict['summary']}", file=sys.stderr, flush=True)
+        self.fired = report
+        (self.on_hang or _exit_hang)(report)
+        return report
+
+
+def _exit_hang(report: dict) -> None:
+    """End the process; its DataLoader workers first: a stopped one would never see its parent go (torch's workers
+    check every few seconds), and outlive the job where the cluster does not track processes (proctrack/linuxproc
+    loses a reparented one)."""
+    for child in report.get("children", []):
+        try:
+            os.kill(child["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+    sys.stderr.flush()
+    os._exit(EXIT_HANG)
+
+
+def dump_flight_recorder(path: Path) -> str | None:
+    """NCCL's flight recorder (the collectives this rank entered, with TORCH_NCCL_TRACE_BUFFER_SIZE set; the Slurm
+    launcher sets it) into ``path``, where this torch exposes it; None otherwise."""
+    dump = getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        path.write_bytes(dump(True, True, False))
+    except Exception as e:  # noqa: BLE001 -- a missing recorder must not stop the report that follows
+        return f"not written: {type(e).__name__}: {e}"
+    return str(path)
+
+
+def child_states() -> list[dict]:
+    """This process's children (DataLoader workers) and their state: a stopped (T) or uninterruptible (D) worker
+    is where a rank waiting for data is stuck."""
+    found = []
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        try:
+            pids = task.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+            found.append({"pid": int(pid), "name": name, "state": state})
+    return found
+
+
+def read_beats(folder: Path, launch: str | None = None) -> list[dict]:
+    """The ranks' heartbeats in ``folder`` (of one launch, if given), by rank."""
+    beats = []
+    for f in folder.glob("rank_*.json"):
+        try:
+            b = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if launch is None or b.get("launch") == launch:
+            beats.append(b)
+    return sorted(beats, key=lambda b: b["rank"])
+
+
+def _where(b: dict) -> str:
+    return f"rank {b['rank']} on {b['node']}"
+
+
+def who_stopped(beats: list[dict], world_size: int, now: float, heartbeat_s: float) -> dict:
+    """Which ranks stopped first and which were only waiting for them, from the heartbeats of one launch:
+
+    1. ranks with no heartbeat, or whose heartbeat is older than ``STALE_BEATS`` periods (the process is stopped
+       or dead);
+    2. else the ranks furthest behind (``faults.progress_key``: the step, then the phase within it: data, then
+       forward/backward, then the reduction) while others went further and wait for them in a collective;
+    3. else, all at the same point, the one there longest.
+
+    Returns culprits and waiting ranks (rank, node, step, phase, since), and a one-line summary."""
+    seen = {b["rank"] for b in beats}
+    missing = [r for r in range(world_size) if r not in seen]
+    stale = [b for b in beats if now - b["alive"] > STALE_BEATS * heartbeat_s and b.get("state") != "hung"]
+    if stale or missing:
+        culprits, why = sorted(stale, key=lambda b: b["alive"]), "stopped responding (no heartbeat for {age:.0f} s)"
+    elif beats:
+        behind = min(progress_key(b["step"], b["phase"]) for b in beats)
+        late = [b for b in beats if progress_key(b["step"], b["phase"]) == behind]
+        if len(late) < len(beats):  # the others went further and wait for these (in a collective)
+            culprits, why = sorted(late, key=lambda b: b["since"]), "made no progress for {age:.0f} s"
+        else:  # all at the same point: the one there longest
+            culprits, why = [min(beats, key=lambda b: b["since"])], "was the first to stop ({age:.0f} s ago)"
+    else:
+        culprits, why = [], ""
+    names = {b["rank"] for b in culprits}
+    waiting = [b for b in beats if b["rank"] not in names]
+    keep = ("rank", "node", "step", "phase", "since", "alive", "pid")
+    parts = [f"{_where(b)} " + why.format(age=now - (b["alive"] if b in stale else b["since"]))
+             + f" in {where(b['step'], b['phase'])}" for b in culprits]
+    parts += [f"rank {r} never published a heartbeat" for r in missing]
+    wait = (f"; ranks {', '.join(str(b['rank']) for b in waiting)} were waiting for it "
+            f"({', '.join(sorted({b['phase'] for b in waiting}))})" if waiting else "")
+    return {"culprits": [{k: b.get(k) for k in keep} for b in culprits] + [{"rank": r, "node": None} for r in missing],
+            "waiting": [{k: b.get(k) for k in keep} for b in waiting],
+            "summary": ("; ".join(parts) or "no heartbeat found") + wait}

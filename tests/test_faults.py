@@ -1,0 +1,98 @@
+"""The launcher's diagnosis of a failed training step and its decision (restart, requeue, stop), from heartbeats,
+hang reports and srun's or torchrun's messages written as the real ones are."""
+
+import json
+import time
+
+from convit_scale import faults
+
+SRUN = """[rank0]: RuntimeError: Connection closed by peer
+srun: error: n2: task 1: Killed
+srun: error: n1: task 0: Exited with exit code 1
+"""
+TORCHRUN = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_10:00:00
+  host      : n3
+  rank      : 5 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+"""
+
+
+def _beat(rank, step, phase, node, state="running", alive=None):
+    now = time.time()
+    return {"rank": rank, "node": node, "step": step, "phase": phase, "since": now - 3, "alive": alive or now,
+            "pid": 10 + rank, "state": state, "launch": "x"}
+
+
+def _run(tmp_path, *steps):
+    out = tmp_path / "run"
+    for s in steps:
+        (out / "checkpoints" / f"step_{s:09d}").mkdir(parents=True)
+        (out / "checkpoints" / f"step_{s:09d}" / "meta.json").write_text("{}")
+    return out
+
+
+def test_the_first_failed_task_as_srun_and_torchrun_report_it():
+    assert faults.first_failed_task(SRUN) == {"rank": 1, "node": "n2", "signal": 9, "exit_status": None,
+                                              "how": "Killed"}
+    t = faults.first_failed_task(TORCHRUN)
+    assert (t["rank"], t["node"], t["signal"]) == (5, "n3", 9)
+    assert faults.first_failed_task("no failure here") is None
+
+
+def test_kinds_of_fault():
+    beats = [_beat(0, 31, "reduction", "n1", "failed: RuntimeError: Connection closed"), _beat(1, 31, "data", "n2")]
+    crash = faults.classify(137, beats, [], faults.first_failed_task(SRUN), SRUN, [])
+    assert (crash["kind"], crash["rank"], crash["node"], crash["signal"]) == ("crash", 1, "n2", 9)
+    assert faults.describe(crash).startswith("fault: crash (signal 9) of rank 1 on n2 in step 32 (data)")
+    oom = faults.classify(1, [_beat(0, 3, "forward/backward", "n1", "failed: OutOfMemoryError: CUDA out of memory")],
+                          [], None, "", [])
+    assert oom["kind"] == "oom" and faults.describe(oom).startswith("fault: out of memory of rank 0 on n1 in step 4")
+    lost = faults.classify(137, beats, [], faults.first_failed_task(SRUN), SRUN, ["n2"])
+    assert (lost["kind"], lost["node"], lost["ranks"]) == ("node_lost", "n2", [1])
+    now = time.time()
+    hang = {"time": now, "step": 31, "phase": "reduction", "since": now - 6, "rank": 0, "summary": "rank 1 ...",
+            "culprits": [{"rank": 1, "node": "n2"}], "waiting": [{"rank": 0}], "stacks": "s.txt",
+            "children": [{"pid": 99, "state": "T"}]}
+    h = faults.classify(76, [_beat(0, 31, "reduction", "n1"), _beat(1, 31, "forward/backward", "n2")], [hang],
+                        None, "", [])
+    assert (h["kind"], h["rank"], h["node"], h["waiting"]) == ("hang", 1, "n2", [0]) and h["stopped_workers"]
+    assert "ranks 0 were waiting for it; stopped loader worker(s) 99" in faults.describe(h)
+
+
+def test_a_restart_needs_a_newer_checkpoint_so_the_same_failure_twice_ends_the_job(tmp_path, capsys):
+    out = _run(tmp_path, 30)
+    faults.start(out, "7", 0, [])
+    (out / "heartbeat").mkdir()
+    (out / "heartbeat" / "rank_1.json").write_text(json.dumps(_beat(1, 32, "data", "n2")))
+    assert faults.end(out, 137, SRUN, [], max_restarts=10) == "stop"  # no checkpoint newer than at the start (30)
+    _run(tmp_path, 33)
+    faults.start(out, "7", 0, [])
+    (out / "heartbeat" / "rank_1.json").write_text(json.dumps(_beat(1, 34, "data", "n2")))
+    _run(tmp_path, 36)
+    assert faults.end(out, 137, SRUN, [], max_restarts=10) == "restart"
+    rec = faults.recovered(out, resumed_from=36, step=37)
+    assert rec["first_new_step"] == 37 and rec["back_s"] >= 0 and faults.recovered(out, 36, 38) is None
+    faults.start(out, "7", 0, [])
+    (out / "heartbeat" / "rank_1.json").write_text(json.dumps(_beat(1, 36, "data", "n2")))
+    assert faults.end(out, 137, SRUN, [], max_restarts=10) == "stop"
+    err = capsys.readouterr().err
+    assert "== fault: crash (signal 9) of rank 1 on n2 in step" in err and "resuming from checkpoint step 36" in err
+    assert err.strip().splitlines()[-1].startswith("error: fault: crash (signal 9) of rank 1 on n2 in step 37 (data)")
+    assert "no checkpoint newer than at this start (step 36)" in err
+    recs = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
+    assert [r["action"] for r in recs] == ["stop", "restart", "stop"] and recs[1]["steps_redone"] == 0
+
+
+def test_a_start_that_ended_unseen_is_recorded_as_a_lost_node(tmp_path, capsys):
+    out = _run(tmp_path, 3)
+    faults.start(out, "7", 0, ["n1", "n2"])
+    (out / "heartbeat").mkdir()
+    (out / "heartbeat" / "rank_1.json").write_text(json.dumps(_beat(1, 4, "data", "n2", alive=time.time() - 60)))
+    (out / "heartbeat" / "rank_0.json").write_text(json.dumps(_beat(0, 4, "reduction", "n1")))
+    faults.start(out, "7", 1, ["n1"])  # Slurm requeued the job: the launcher never saw the step end
+    (rec,) = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
+    assert (rec["kind"], rec["rank"], rec["node"]) == ("node_lost", 1, "n2")
+    assert "fault: node lost of rank 1 on n2" in capsys.readouterr().err

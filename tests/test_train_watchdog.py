@@ -1,0 +1,86 @@
+"""The watchdog: a rank that makes no progress is ended after its stacks are written, and the report names the rank
+that stopped first (from the heartbeats, without a collective); the loop's phases and checkpoint.every_minutes."""
+
+import json
+import threading
+import time
+
+from support import records, tiny_recipe, train_here
+
+from convit_scale.config import FaultConfig
+from convit_scale.train.watchdog import COMPUTE, DATA, EVAL, REDUCE, Timeouts, Watchdog, who_stopped
+
+
+def _beat(rank, step, phase, since, alive, node="n1", state="running"):
+    return {"rank": rank, "node": node, "step": step, "phase": phase, "since": since, "alive": alive, "pid": 100 + rank,
+            "state": state}
+
+
+def _waiting_in_the_reduction(fired: threading.Event, limit: float) -> float:
+    t0 = time.time()
+    fired.wait(limit)
+    return time.time() - t0
+
+
+def test_a_rank_without_progress_is_ended_after_its_stacks_naming_the_rank_that_stopped(tmp_path, capsys):
+    """Rank 0 waits in the step's reduction; rank 1's heartbeat stopped (a SIGSTOPped process): rank 0's watchdog
+    fires within its timeout, writes every thread's stack (the waiting function is in it) and names rank 1."""
+    fired, reports = threading.Event(), []
+    wd = Watchdog(tmp_path, 0, 2, Timeouts(step=1.0, startup=1.0, long=5.0), heartbeat_s=0.2,
+                  on_hang=lambda r: (reports.append(r), fired.set()))
+    wd.start()
+    wd.started = True
+    wd.mark(REDUCE, 31)
+    now = time.time()
+    beat = {**_beat(1, 31, COMPUTE, now - 1, now - 30, node="n2"), "launch": wd.launch}
+    (tmp_path / "heartbeat" / "rank_1.json").write_text(json.dumps(beat))
+    waited = _waiting_in_the_reduction(fired, 20)
+    assert reports and 1.0 < waited < 1.0 + 2.0 + 1.5, waited  # the timeout, the others' 2 s to publish, a tick
+    report = reports[0]
+    stacks = (tmp_path / "hangs" / "rank_0.stacks.txt").read_text()
+    assert "_waiting_in_the_reduction" in stacks and "no progress for 1 s in step 32 (reduction)" in stacks
+    assert [c["rank"] for c in report["culprits"]] == [1] and [w["rank"] for w in report["waiting"]] == [0]
+    assert report["summary"].startswith("rank 1 on n2 stopped responding") and "in step 32 (forward/backward)" in \
+        report["summary"] and "ranks 0 were waiting for it (reduction)" in report["summary"]
+    assert json.loads((tmp_path / "hangs" / "rank_0.json").read_text())["culprits"][0]["node"] == "n2"
+    err = capsys.readouterr().err
+    assert "[convit-scale] hang: rank 1 on n2 stopped responding" in err and "_waiting_in_the_reduction" in err
+    wd.stop()
+
+
+def test_who_stopped_first():
+    now = 1000.0
+    # every process alive: the rank not waiting in a collective (a loader that never delivers) is the culprit
+    v = who_stopped([_beat(0, 5, REDUCE, now - 50, now), _beat(1, 5, DATA, now - 60, now)], 2, now, 1.0)
+    assert [c["rank"] for c in v["culprits"]] == [1] and "never" not in v["summary"]
+    assert v["summary"].startswith("rank 1 on n1 made no progress for 60 s in step 6 (data)")
+    # all waiting: the one furthest behind; a rank with no heartbeat at all is named
+    v = who_stopped([_beat(0, 7, REDUCE, now - 5, now), _beat(1, 6, REDUCE, now - 9, now)], 3, now, 1.0)
+    assert "rank 2 never published a heartbeat" in v["summary"] and not v["waiting"] == []
+    v = who_stopped([_beat(0, 7, REDUCE, now - 5, now), _beat(1, 6, EVAL, now - 9, now)], 2, now, 1.0)
+    assert [c["rank"] for c in v["culprits"]] == [1] and "evaluation after step 6" in v["summary"]
+
+
+def test_timeouts_by_phase():
+    t = Timeouts(step=60, startup=900, long=1800)
+    assert (t.of(DATA, started=True), t.of(EVAL, started=True), t.of(COMPUTE, started=False)) == (60, 1800, 900)
+    assert FaultConfig().collective_timeout_s > FaultConfig().hang_timeout_s
+
+
+def test_every_minutes_saves_after_the_same_step_on_every_rank_and_heartbeats_say_how_ranks_ended(fm_tree, tmp_path,
+                                                                                                capsys):
+    """checkpoint.every_minutes: rank 0's clock travels in the step's reduction (here every step is due); each save
+    is timed in metrics.jsonl; the watchdog is announced, publishes heartbeats, and the last one says "finished"."""
+    out = tmp_path / "out"
+    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"val_path": ""},
+                    schedule={"max_steps": 3}, checkpoint={"every_minutes": 1e-6, "keep_last": 5},
+                    fault={"hang_timeout_s": 30, "heartbeat_s": 0.5, "collective_timeout_s": 60})
+    assert train_here(r) == 0
+    saves = records(out, "checkpoint")
+    assert [(s["step"], s["reason"]) for s in saves] == [(1, "every_minutes"), (2, "every_minutes"), (3, "end")]
+    assert all(s["save_s"] > 0 for s in saves)
+    printed = capsys.readouterr().out
+    assert "watchdog: a rank making no progress is ended after 30 s in a step" in printed
+    assert "collective timeout 60 s from now on" in printed
+    beat = json.loads((out / "heartbeat" / "rank_0.json").read_text())
+    assert beat["state"] == "finished" and beat["step"] == 3 and beat["started"]
