@@ -123,9 +123,26 @@ def barrier() -> None:
         dist.barrier()
 
 
+_on_destroy: list = []
+"""Callbacks :func:`destroy` runs once after ending the group (the launch variables a one-process group set)."""
+
+
+def on_destroy(fn) -> None:
+    """Run ``fn`` when this process's group is ended by :func:`destroy`."""
+    _on_destroy.append(fn)
+
+
 def destroy() -> None:
     """End the process group, and DeepSpeed's references to it when DeepSpeed ran in this process (through its own
-    teardown), so that a next run in the same process starts clean."""
+    teardown), so that a next run in the same process starts clean; then the callbacks of :func:`on_destroy`."""
+    try:
+        _destroy_group()
+    finally:
+        while _on_destroy:
+            _on_destroy.pop()()
+
+
+def _destroy_group() -> None:
     if not is_initialized():
         return
     deepspeed_comm = sys.modules.get("deepspeed.comm")

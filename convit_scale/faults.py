@@ -149,6 +149,7 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
         return {"kind": "hang", "rank": culprit.get("rank"), "node": culprit.get("node"),
                 "step": beat.get("step", first["step"]), "phase": beat.get("phase", first["phase"]),
                 "detect_s": round(first["time"] - beat.get("since", first["since"]), 1),  # its last progress
+                "limit_s": first.get("limit_s"),  # the timeout of the phase the detecting rank waited in
                 "waiting": [w["rank"] for w in first.get("waiting", [])], "summary": first.get("summary"),
                 "stopped_workers": stopped, "stacks": first.get("stacks"), "exit_status": rc}
     oom = [b for b in failed if re.search(r"OutOfMemoryError|MemoryError", b["state"])]

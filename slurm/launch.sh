@@ -12,6 +12,7 @@
 #                 modules, NCCL_*/GLOO_* (passed to every rank), SRUN_ARGS (options for the srun steps, e.g. a
 #                 container), and any of these variables
 #   MASTER_ADDR   rendezvous host (default: first node of the job)
+#   MASTER_PORT   rendezvous port (default: 10000 + SLURM_JOB_ID % 20000, below the ephemeral range)
 #   STOP_GRACE_S  torchrun only: seconds the ranks get, after the pre-timeout signal, to save before
 #                 torchrun kills them (default 300; keep it under the script's --signal=USR1@T)
 #   MAX_REQUEUES  how many times the job may requeue itself (default 50), compared with SLURM_RESTART_COUNT
@@ -74,6 +75,9 @@ MARKER="$OUT/STOPPED_FOR_REQUEUE"
 NODES=${SLURM_JOB_NUM_NODES:-1}
 GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}  # ranks per node
 [ "$GPUS" -ge 1 ] 2>/dev/null || GPUS=1
+# sbatch exports the submitting shell's environment: a launcher's per-process variables from there (an interactive
+# torchrun, a container's defaults) would make every task a lone rank 0 of 1. The ranks get theirs from srun/torchrun.
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK ROLE_RANK TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" | head -n 1)}
 # by job id: jobs sharing a node differ; below Linux's ephemeral ports (32768+), which a node's connections may hold
 export MASTER_PORT=${MASTER_PORT:-$((10000 + ${SLURM_JOB_ID:-0} % 20000))}

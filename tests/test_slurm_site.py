@@ -63,7 +63,9 @@ def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, 
     site.write_text(f"export GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo\nSRUN_ARGS=--label\nPYTHON={wrapper}\n")
     log = tmp_path / "job.out"
     job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "train.sh"),
-                       env={"RECIPE": str(recipe), "SITE_SCRIPT": str(site), "MASTER_ADDR": "127.0.0.1"}, cwd=REPO)
+                       env={"RECIPE": str(recipe), "SITE_SCRIPT": str(site), "MASTER_ADDR": "127.0.0.1",
+                            # a lone rank's variables in the submitting shell (sbatch exports them) are not the ranks'
+                            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cwd=REPO)
     info = slurm.wait_job(job, timeout=300)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", text[-3000:]
@@ -72,6 +74,7 @@ def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, 
     assert "== network settings passed to the ranks: GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo" in text
     assert "0: " in text and "1: " in text  # srun --label: each rank's lines carry its number
     assert [r["step"] for r in records(out)] == [1, 2]
+    assert "2 rank(s) on cpu (gloo, launched by srun)" in text
     ranks = [line.split() for line in seen.read_text().splitlines()]
     step = next(r[0] for r in ranks if r[1] == "rank=1")  # the training step: the one with two tasks
     training = [r for r in ranks if r[0] == step]

@@ -52,3 +52,36 @@ def test_a_jobs_rendezvous_port_stays_below_the_ephemeral_range():
     assert min(ports) >= 10000 and max(ports) < 30000 < 32768
     script = (Path(__file__).resolve().parents[1] / "slurm" / "launch.sh").read_text()
     assert "$((10000 + ${SLURM_JOB_ID:-0} % 20000))" in script  # the script's rule is the engine's
+
+
+def test_a_group_alone_puts_its_launch_variables_back(monkeypatch):
+    """A one-process group (a run, a benchmark or a test in this process) sets RANK=0 of WORLD_SIZE=1 and a port;
+    once it ends they are gone: a launch from this process afterwards (sbatch, torchrun, a subprocess) inherited
+    them, and every task of a 2-rank srun step became a lone rank 0, one of them on a port still held."""
+    import os
+    import socket
+
+    from convit_scale import comm
+    from convit_scale.train.distributed import init_distributed
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    for k in keys:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "kept.example")  # a variable the process had before is restored, not removed
+    ctx = init_distributed("gloo", 30)
+    try:
+        assert (ctx.launcher, ctx.world_size) == ("alone", 1) and os.environ["RANK"] == "0"
+    finally:
+        comm.destroy()
+    assert {k: os.environ.get(k) for k in keys} == {**dict.fromkeys(keys), "MASTER_ADDR": "kept.example"}
+
+    monkeypatch.delenv("MASTER_ADDR")
+    with socket.socket() as held:  # the group cannot form (its port is taken): nothing is left behind either
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        import convit_scale.train.distributed as distributed
+
+        monkeypatch.setattr(distributed, "free_port", lambda: held.getsockname()[1])
+        with pytest.raises(Exception):
+            init_distributed("gloo", 5)
+    assert not any(k in os.environ for k in keys)

@@ -101,8 +101,14 @@ def device_for(local_rank: int) -> torch.device:
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        # Alone: a one-process group through env://, as a launcher would set it. The variables are put back when
+        # the group ends (comm.destroy): a later launch from this process (a test's sbatch or subprocess, the next
+        # run) must not inherit RANK=0 of 1, which would make every rank of its world a lone rank 0.
+        alone = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}
+        saved = {k: os.environ.get(k) for k in alone}
+        os.environ.update(alone)
+        comm.on_destroy(lambda: _restore_env(saved))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "auto":
@@ -119,11 +125,23 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext
         device, pg_backend = torch.device("cpu"), backend
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(pg_backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        try:
+            dist.init_process_group(pg_backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+        except BaseException:
+            comm.destroy()  # no group: only the variables set above are put back
+            raise
     comm.set_device(device)
     return DistContext(rank, world, local_rank, device, backend, launcher, owns_group)
+
+
+def _restore_env(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> tuple[int, int]:

@@ -79,10 +79,7 @@ def train(cfg: Config) -> str:
         watch.stop(outcome)
         stop.restore()
         if ctx.owns_group:
-            comm.destroy()
-        if ctx.launcher == "alone" and ctx.owns_group:  # the one-process group's variables must not leak
-            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-                os.environ.pop(key, None)
+            comm.destroy()  # alone: also the one-process group's launch variables (init_distributed)
 
 
 def exit_status(cfg: Config) -> int:
