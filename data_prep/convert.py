@@ -31,8 +31,7 @@ from convit_scale.ffcv_threads import importing_ffcv
 from convit_scale.files import atomic_path, write_json_atomic
 from convit_scale.imagetree import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
 from convit_scale.jpeg import decode_rgb_array
-
-MANIFEST = "manifest.json"
+from convit_scale.manifest import MANIFEST, DataError, Manifest, Split
 
 
 @dataclass
@@ -436,7 +435,7 @@ def _convert_split(src: Path, out: Path, split: str, samples: list[Sample], prob
     return entry
 
 
-def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
+def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> Manifest:
     """Convert ``src`` (ImageNet-style) into ``out``; returns the manifest."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -451,12 +450,12 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> dict:
     scanned = _scan(src, opts, classes, all_classes)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / OWNER, {"format": opts.fmt, "source": str(src.resolve())})
-    manifest = {"format": opts.fmt, "source": str(src.resolve()), "options": asdict(opts),
-                "classes": classes, "splits": {}}
+    options = json.loads(json.dumps(asdict(opts)))  # as the file holds them (lists, not tuples)
+    manifest = Manifest(opts.fmt, str(src.resolve()), options, classes, location=str(out))
     for split, (samples, problems) in scanned.items():
-        manifest["splits"][split] = _convert_split(src, out, split, samples, problems, opts)
+        manifest.splits[split] = Split.from_dict(_convert_split(src, out, split, samples, problems, opts))
     (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
-    write_json_atomic(out / MANIFEST, manifest)
+    manifest.write(out)
     return manifest
 
 
@@ -464,15 +463,17 @@ def verify(out: str | Path, src: str | Path | None = None) -> list[str]:
     """Re-read every output file of ``out`` and check it against the manifest; with ``src``, also check the
     manifest against that source tree (:func:`check_source`). Returns the problems found."""
     out = Path(out)
-    mf = out / MANIFEST
-    if not mf.is_file():
+    if not (out / MANIFEST).is_file():
         return [f"no {MANIFEST} in {out}"]
-    manifest = json.loads(mf.read_text())
+    try:
+        manifest = Manifest.read(out)
+    except DataError as e:
+        return [str(e)]
     problems = []
-    n_classes = len(manifest["classes"])
-    for split, info in manifest["splits"].items():
+    n_classes = manifest.num_classes
+    for split, info in manifest.splits.items():
         counts: dict[str, int] = {}
-        for name, rec in info["files"].items():
+        for name, rec in info.files.items():
             path = out / name
             if not path.is_file():
                 problems.append(f"{path}: missing")
@@ -480,7 +481,7 @@ def verify(out: str | Path, src: str | Path | None = None) -> list[str]:
             if sha256_file(path) != rec["sha256"]:
                 problems.append(f"{path}: checksum differs from the manifest (corrupt or changed)")
             try:
-                labels = _read_labels(path, manifest["format"])
+                labels = _read_labels(path, manifest.format)
             except Exception as e:  # a truncated tar or beton is reported, not raised
                 problems.append(f"{path}: unreadable ({type(e).__name__}: {e})")
                 continue
@@ -490,25 +491,25 @@ def verify(out: str | Path, src: str | Path | None = None) -> list[str]:
                 problems.append(f"{path}: labels outside 0..{n_classes - 1}")
             for k, v in _per_class(labels).items():
                 counts[k] = counts.get(k, 0) + v
-        if counts != info["per_class"] and not any(split in p for p in problems):
+        if counts != info.per_class and not any(split in p for p in problems):
             problems.append(f"{split}: samples per class differ from the manifest")
     return problems + (check_source(manifest, Path(src)) if src is not None else [])
 
 
-def check_source(manifest: dict, src: Path) -> list[str]:
+def check_source(manifest: Manifest, src: Path) -> list[str]:
     """The manifest accounts for every image of ``src`` it should hold: the same classes, and per split as many
     images written plus listed as skipped as the tree has (after the manifest's subset fraction). Lists files
     only; reads no image."""
     if not (src / "train").is_dir():
         return [f"--src {src}: no train folder (allowed: the ImageNet-style tree the output was converted from)"]
-    opts = manifest["options"]
+    opts = manifest.options
     classes = list_classes(src / "train")
-    if classes != manifest["classes"]:
-        return [f"--src {src}: {len(classes)} class folders in train/, the manifest has {len(manifest['classes'])} "
-                f"classes, or other names (converted from {manifest['source']})"]
+    if classes != manifest.classes:
+        return [f"--src {src}: {len(classes)} class folders in train/, the manifest has {manifest.num_classes} "
+                f"classes, or other names (converted from {manifest.source})"]
     problems = []
     for split in opts["splits"]:
-        info = manifest["splits"].get(split)
+        info = manifest.splits.get(split)
         if info is None:
             if (src / split).is_dir():
                 problems.append(f"{src / split}: in the source but not in the manifest")
@@ -517,11 +518,11 @@ def check_source(manifest: dict, src: Path) -> list[str]:
                                          _opt_path(opts["val_synsets"]))
         if split == "train":
             samples = subsample(samples, opts["subset_fraction"])
-        accounted = info["num_samples"] + len(info["skipped"])
+        accounted = info.num_samples + len(info.skipped)
         if len(samples) + len(unlabelled) != accounted:
             problems.append(f"{src / split}: {len(samples)} images (subset fraction {opts['subset_fraction']:g}) and "
                             f"{len(unlabelled)} unlabelled file(s), but the manifest accounts for {accounted} "
-                            f"({info['num_samples']} written, {len(info['skipped'])} skipped)")
+                            f"({info.num_samples} written, {len(info.skipped)} skipped)")
     return problems
 
 

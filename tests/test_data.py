@@ -51,7 +51,8 @@ def messy_tree(tmp_path):
 
 def test_bad_inputs_are_converted_or_skipped_and_listed(messy_tree, tmp_path):
     out = tmp_path / "wds"
-    m = prepare(messy_tree, out, PrepOptions(fmt="wds", shard_size=5, workers=2))
+    m = prepare(messy_tree, out, PrepOptions(fmt="wds", shard_size=5, workers=2)).to_dict()
+    assert m == json.loads((out / "manifest.json").read_text())  # what prep returns is what it wrote
     train = m["splits"]["train"]
     assert m["classes"] == ["n01", "n02", "n03", "n04"]
     # 3 x 6 good + CMYK + grey + PNG (converted to RGB JPEG)
@@ -100,7 +101,7 @@ def test_flat_val_with_kaggle_labels(tmp_path):
     root = _flat_val_tree(tmp_path / "src", [f"ILSVRC2012_val_{i:08d}.JPEG" for i in range(3)])
     (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
         f"ILSVRC2012_val_{i:08d},{w} 1 2 3 4\n" for i, w in enumerate(["n02", "n01", "n02"])))
-    m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1))
+    m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1)).to_dict()
     assert m["splits"]["val"]["per_class"] == {"0": 1, "1": 2}
 
 
@@ -111,7 +112,7 @@ def test_flat_val_with_devkit_ground_truth(tmp_path):
     (tmp_path / "gt.txt").write_text("1\n2\n1\n")
     m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1, val_labels=str(tmp_path / "gt.txt"),
                                                   val_synsets=str(tmp_path / "synsets.txt")))
-    assert m["splits"]["val"]["per_class"] == {"0": 1, "1": 2}  # n01 -> 0 once, n02 -> 1 twice
+    assert m.split("val").per_class == {"0": 1, "1": 2}  # n01 -> 0 once, n02 -> 1 twice
     with pytest.raises(PrepError, match="needs --val-synsets"):
         prepare(root, tmp_path / "o2", PrepOptions(fmt="wds", workers=1, val_labels=str(tmp_path / "gt.txt")))
 

@@ -136,13 +136,13 @@ def test_the_earlier_re_encoding_on_request_and_shrinking_only_large_images(tree
     from data_prep import PrepOptions, prepare
 
     old = prepare(tree, tmp_path / "old", PrepOptions(fmt="ffcv", write_mode="jpg", max_resolution=64,
-                                                      splits=("train",), workers=2))
+                                                      splits=("train",), workers=2)).to_dict()
     (name,) = old["splits"]["train"]["files"]
     assert name == "train_64_jpg_q90_f1.beton" and "images" not in old["splits"]["train"]
     for f, (mode, stored) in zip(_files(tree, "train"), _stored(tmp_path / "old" / name), strict=True):
         assert mode == 0 and stored != f.read_bytes() and max(Image.open(io.BytesIO(stored)).size) <= 64
     small = prepare(tree, tmp_path / "mixed", PrepOptions(fmt="ffcv", max_resolution=128, splits=("train",),
-                                                          workers=2))
+                                                          workers=2)).to_dict()
     counts = small["splits"]["train"]["images"]
     large = sum(max(Image.open(f).size) > 128 for f in _files(tree, "train"))
     assert counts["resized"] == large > 0 and counts["kept"] + counts["raw"] + large == 14
@@ -151,7 +151,7 @@ def test_the_earlier_re_encoding_on_request_and_shrinking_only_large_images(tree
 def test_num_classes_keeps_the_first_classes_only(tree, tmp_path):
     from data_prep import PrepOptions, prepare
 
-    m = prepare(tree, tmp_path / "one", PrepOptions(fmt="wds", num_classes=1, workers=2, shard_size=100))
+    m = prepare(tree, tmp_path / "one", PrepOptions(fmt="wds", num_classes=1, workers=2, shard_size=100)).to_dict()
     assert m["classes"] == ["c0"]
     for split in ("train", "val"):
         assert m["splits"][split]["per_class"] == {"0": 7} and m["splits"][split]["skipped"] == []

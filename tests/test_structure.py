@@ -32,7 +32,8 @@ LAYERS = [
     ["convit_scale.files"],
     ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
-     "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix", "convit_scale.gpu_wheels"],
+     "convit_scale.manifest", "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
+     "convit_scale.gpu_wheels"],
     ["convit_scale.models"],
     ["convit_scale.config"],
     ["convit_scale.data", "convit_scale.parallel", "data_prep", "convit_scale.trained"],
@@ -178,10 +179,11 @@ LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_sca
 the Slurm scripts read in the batch shell, and the benchmarks' dispatchers (they import only the benchmark that runs:
 ``bench data`` needs FFCV, the others run without it): these may import heavy modules inside functions."""
 LAZY = ("deepspeed", "ffcv", "numba", "cv2", "tensorboard", "torch.utils.tensorboard", "wandb", "sklearn", "matplotlib",
-        "torch._dynamo", "torch.distributed.fsdp")
+        "torch._dynamo", "torch.distributed.fsdp", "webdataset.gopen")
 """Libraries imported only where used, elsewhere: optional (ffcv, wandb, tensorboard, sklearn, matplotlib) or costly
 to import for every process of a run that does not use them (deepspeed, numba; what ``parallel.preload`` imports to
-measure the memory baseline after them)."""
+measure the memory baseline after them; webdataset imports torch, which a manifest read from a folder, as prep's
+workers do, does not need)."""
 
 
 def _top_imports(path: Path) -> set[str]:

@@ -32,6 +32,7 @@ from ..data.device_augment import DeviceAugmentConfig, augment_batch
 from ..data.ffcv import _allocate, run_stages
 from ..ffcv_threads import importing_ffcv
 from ..hardware import usable_cpus
+from ..manifest import Manifest
 from .worker import run_worker
 
 
@@ -306,15 +307,15 @@ def _targets(ratios: dict, device_stage: dict, device: str) -> dict:
     }
 
 
-def _beton_sizes(folder: Path, manifest: dict) -> dict:
+def _beton_sizes(folder: Path, manifest: Manifest) -> dict:
     """The training .beton's size on disk (whole ffcv pages) and the bytes of its images (the allocations: for a
     kept JPEG, the file itself), beside the source JPEGs'."""
 
     with importing_ffcv():
         from ffcv.reader import Reader
 
-    (name,) = manifest["splits"]["train"]["files"]
-    sources = sum(Path(p).stat().st_size for p in Path(manifest["source"], "train").rglob("*.JPEG"))
+    (name,) = manifest.split("train").files
+    sources = sum(Path(p).stat().st_size for p in Path(manifest.source, "train").rglob("*.JPEG"))
     return {"file_bytes": (folder / name).stat().st_size, "image_bytes": int(Reader(str(folder / name)).alloc_table[
         "size"].sum()), "source_jpeg_bytes": sources}
 

@@ -28,8 +28,8 @@ def _cmd_convert(args) -> int:
                        strict=args.strict, workers=args.workers, val_labels=args.val_labels,
                        val_synsets=args.val_synsets, **own)
     manifest = prepare(args.src, args.out, opts)
-    for split, info in manifest["splits"].items():
-        print(f"{split}: {info['num_samples']} images in {len(info['files'])} file(s), {len(info['skipped'])} skipped")
+    for split, info in manifest.splits.items():
+        print(f"{split}: {info.num_samples} images in {len(info.files)} file(s), {len(info.skipped)} skipped")
     print(f"manifest: {Path(args.out) / 'manifest.json'}")
     return 0
 

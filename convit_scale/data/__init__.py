@@ -15,13 +15,14 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from ..config import DataConfig
+from ..manifest import Manifest
 from .batch import Batch
 from .faults import DataError
 from .geometry import LoaderSpec
 from .imagefolder import ImageFolderLoader
-from .wds import WdsLoader, read_manifest
+from .wds import WdsLoader
 
-__all__ = ["Batch", "DataError", "Loader", "LoaderSpec", "build_loader", "read_manifest"]
+__all__ = ["Batch", "DataError", "Loader", "LoaderSpec", "build_loader", "Manifest"]
 
 
 class Loader(Protocol):

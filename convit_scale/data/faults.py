@@ -13,10 +13,7 @@ import io
 
 from PIL import Image, UnidentifiedImageError
 
-
-class DataError(RuntimeError):
-    """Unusable data (missing files, a truncated shard, a manifest mismatch): one line naming the input."""
-
+from ..manifest import DataError
 
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 """What PIL raises for bytes that are not a readable image (truncated, corrupt, not an image at all)."""

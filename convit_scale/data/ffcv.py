@@ -41,6 +41,7 @@ from timm.data import create_transform
 
 from ..config import DataConfig
 from ..jpeg import decode_rgb
+from ..manifest import Manifest
 from .batch import Batch
 from .faults import DataError, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec
@@ -48,7 +49,6 @@ from .order import view_seeds
 from .private_aug import PrivateAugment
 from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
 from .transforms import MEAN, STD
-from .wds import read_manifest
 
 
 class PlanOrder(TraversalOrder):
@@ -97,14 +97,12 @@ ORDER_KEY = "convit_scale_plan"
 ORDER_MAP[ORDER_KEY] = PlanOrder  # ffcv refuses an order class that is not registered
 
 
-def subset_indices(location: Path, manifest: dict, split: str, fraction: float) -> tuple[str, np.ndarray]:
+def subset_indices(manifest: Manifest, split: str, fraction: float) -> tuple[str, np.ndarray]:
     """The .beton of ``split`` and the file indices of its Table 2 subset (the first files of each class:
     files are written in sorted (class, file) order)."""
-    if split not in manifest.get("splits", {}):
-        raise DataError(f"{location}: manifest has no {split!r} split")
-    info = manifest["splits"][split]
-    (name,) = info["files"]
-    counts = [info["per_class"].get(str(c), 0) for c in range(len(manifest["classes"]))]
+    info = manifest.split(split)
+    (name,) = info.files
+    counts = info.class_counts(manifest.num_classes)
     starts = np.cumsum([0] + counts)
     return name, np.concatenate([np.arange(s, s + math.floor(c * fraction)) for s, c in zip(starts, counts)])
 
@@ -463,8 +461,7 @@ class FfcvLoader:
 
     def __init__(self, d: DataConfig, spec: LoaderSpec):
         location = Path(d.train_path if spec.train else d.val_path)
-        manifest = read_manifest(str(location))
-        name, indices = subset_indices(location, manifest, spec.split, d.subset_fraction if spec.train else 1.0)
+        name, indices = subset_indices(Manifest.read(location), spec.split, d.subset_fraction if spec.train else 1.0)
         self.num_samples = len(indices)
         self.d, self.spec, self._indices = d, spec, indices.astype(np.uint64)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(location))

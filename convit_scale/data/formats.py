@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..imagetree import list_classes
+from ..manifest import MANIFEST, Manifest
 from .faults import DataError
-from .wds import read_manifest
 
 FORMATS = ("ffcv", "wds", "imagefolder")
 
@@ -21,16 +21,13 @@ def detect_format(location: str) -> str:
     if local and not Path(location).is_dir():
         raise DataError(f"{location}: not a folder; allowed: a `convit-scale prep` output (with manifest.json), an "
                         f"ImageFolder root (train/ and val/ class folders) or a WebDataset URL template with {{name}}")
-    if local and not (Path(location) / "manifest.json").is_file():
+    if local and not (Path(location) / MANIFEST).is_file():
         train = Path(location) / "train"
         if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
             return "imagefolder"
         raise DataError(f"{location}: neither a `convit-scale prep` output (no manifest.json) nor an ImageFolder "
                         f"root (no class folders in train/); name the format with --format {'|'.join(FORMATS)}")
-    fmt = read_manifest(location).get("format")
-    if fmt not in ("ffcv", "wds"):
-        raise DataError(f"{location}: manifest.json names format {fmt!r}; allowed: ffcv or wds")
-    return fmt
+    return Manifest.read(location).format  # refuses a format prep does not write
 
 
 def class_names(location: str, fmt: str) -> list[str] | None:
@@ -40,6 +37,6 @@ def class_names(location: str, fmt: str) -> list[str] | None:
         return list_classes(Path(location) / "train")
 
     try:
-        return read_manifest(location).get("classes")
+        return Manifest.read(location).classes
     except DataError:
         return None

@@ -1,10 +1,9 @@
-"""WebDataset shards as streams of samples: a local folder or any URL webdataset opens (``pipe:``, http), the
-manifest, a shard read with retries (``data.open_retries``; a ``pipe:`` command's exit status counting), and
-webdataset's bounded shuffle buffer."""
+"""WebDataset shards as streams of samples: a local folder or any URL webdataset opens (``pipe:``, http), a shard
+read with retries (``data.open_retries``; a ``pipe:`` command's exit status counting), and webdataset's bounded
+shuffle buffer. The shards' manifest is ``manifest.py``'s."""
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import tarfile
@@ -16,25 +15,6 @@ import numpy as np
 from webdataset.gopen import gopen
 
 from .faults import DataError, reason_of
-
-
-def _open(location: str, name: str):
-    """Open a file next to ``location``: a local folder, or a URL template with ``{name}``
-    (``pipe:aws s3 cp s3://bucket/imagenet/{name} -``, ``https://host/shards/{name}``)."""
-    if "{name}" in location:
-        return gopen(location.format(name=name), "rb")
-    path = Path(location) / name
-    if not path.is_file():
-        raise DataError(f"{path}: not found")
-    return open(path, "rb")
-
-
-def read_manifest(location: str) -> dict:
-    try:
-        with _open(location, "manifest.json") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{location}: no readable manifest.json ({e}); convert with `convit-scale prep`") from e
 
 
 def shard_url(location: str, name: str) -> str:

@@ -29,15 +29,16 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..config import DataConfig
+from ..manifest import Manifest
 from .batch import Batch
 from .faults import DECODE_ERRORS, DataError, decode_rgb, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec, eval_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
-from .shards import read_manifest, shard_samples, shard_url, shuffle_buffer
+from .shards import shard_samples, shard_url, shuffle_buffer
 from .transforms import build_eval_transform, build_train_transform, seed_host
 from .workers import iterate, loader_options
 
-__all__ = ["WdsLoader", "lanes_per_group", "read_manifest"]
+__all__ = ["WdsLoader", "lanes_per_group"]
 
 MAX_LANES = 8
 """WebDataset partitions per canonical group at most: a rank of a job with one group per rank keeps up to this many
@@ -235,16 +236,11 @@ class WdsLoader:
 
     def __init__(self, d: DataConfig, spec: LoaderSpec, buffer_size: int = 2000):
         self.location = d.train_path if spec.train else d.val_path
-        manifest = read_manifest(self.location)
-        if spec.split not in manifest.get("splits", {}):
-            raise DataError(f"{self.location}: manifest has no {spec.split!r} split")
-        prepared_f = manifest["options"].get("subset_fraction", 1.0)
-        if spec.train and not math.isclose(prepared_f, d.subset_fraction):
-            raise DataError(f"{self.location}: shards hold subset_fraction={prepared_f}, the recipe asks "
-                            f"{d.subset_fraction}; convert with `convit-scale prep wds --subset-fraction "
-                            f"{d.subset_fraction}` (WebDataset subsets are made at conversion)")
-        files = manifest["splits"][spec.split]["files"]
-        self.shards = [(name, rec["samples"]) for name, rec in sorted(files.items())]
+        manifest = Manifest.read(self.location)
+        split = manifest.split(spec.split)
+        if spec.train:
+            manifest.require_subset(d.subset_fraction)
+        self.shards = split.shards()
         self.num_samples = sum(c for _, c in self.shards)
         self.d, self.spec, self.buffer_size = d, spec, buffer_size
         on_device = spec.augment_on_device

@@ -16,9 +16,10 @@ import urllib.request
 from pathlib import Path
 
 from ..config import Config, model_options
-from ..data import DataError, read_manifest
+from ..data import DataError, Manifest
 from ..data.imagefolder import imagefolder_samples
 from ..imagetree import PrepError, list_classes
+from ..manifest import MANIFEST
 from ..metrics import check_log_backends
 from ..models import create_model, read_state_dict
 from ..models.weights import check_state_dict, convert_state_dict
@@ -71,10 +72,10 @@ def _check_output_dir(output_dir: str) -> None:
         raise ValueError(f"run.output_dir = {output_dir}: cannot write in {existing} ({e.strerror}); {allowed}") from e
 
 
-def _probe_remote(key: str, loc: str) -> dict:
+def _probe_remote(key: str, loc: str) -> Manifest:
     """A remote WebDataset location's manifest.json within PROBE_TIMEOUT_S: a wrong URL is one line now, not a
     minute of silence per rank later."""
-    url = loc.format(name="manifest.json")
+    url = loc.format(name=MANIFEST)
     try:
         if url.startswith("pipe:"):
             res = subprocess.run(url[len("pipe:"):], shell=True, capture_output=True, timeout=PROBE_TIMEOUT_S)
@@ -86,8 +87,8 @@ def _probe_remote(key: str, loc: str) -> dict:
             with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as f:
                 data = f.read()
         else:
-            return read_manifest(loc)
-        return json.loads(data)
+            return Manifest.read(loc)
+        return Manifest.from_dict(json.loads(data), loc)
     except subprocess.TimeoutExpired as e:
         raise DataError(f"data.{key}: {url} gave no answer within {PROBE_TIMEOUT_S} s; allowed: a reachable "
                         f"location of prepared shards") from e
@@ -113,25 +114,23 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
             raise DataError(f"data.{key}: {e}") from e
     else:
         remote = "{name}" in loc
-        manifest = _probe_remote(key, loc) if remote else read_manifest(loc)
-        found = manifest.get("format")
+        manifest = _probe_remote(key, loc) if remote else Manifest.read(loc)
+        found = manifest.format
         if found != d.format:
             raise DataError(f"data.{key}: {loc} holds {found} data (manifest.json), data.format = {d.format!r}; "
                             f"allowed: data.format = {found!r}, or {d.format} data made by "
                             f"`convit-scale prep {d.format}`")
-        if split not in manifest.get("splits", {}):
-            raise DataError(f"data.{key}: {loc}: manifest has no {split!r} split; allowed: a prep output with {split}/")
-        info, n_classes = manifest["splits"][split], len(manifest["classes"])
-        prepared_f = manifest.get("options", {}).get("subset_fraction", 1.0)
-        if split == "train" and d.format == "wds" and not math.isclose(prepared_f, d.subset_fraction):
-            raise DataError(f"{loc}: shards hold subset_fraction={prepared_f}, the recipe asks {d.subset_fraction}; "
-                            f"convert with `convit-scale prep wds --subset-fraction {d.subset_fraction}` (WebDataset "
-                            f"subsets are made at conversion)")
+        try:
+            info, n_classes = manifest.split(split), manifest.num_classes
+            if split == "train" and d.format == "wds":
+                manifest.require_subset(d.subset_fraction)
+        except DataError as e:
+            raise DataError(f"data.{key}: {e}") from e
         if split == "train" and d.format == "ffcv":  # the subset is taken at load time: first files of each class
-            n = sum(math.floor(c * d.subset_fraction) for c in info["per_class"].values())
+            n = sum(math.floor(c * d.subset_fraction) for c in info.per_class.values())
         else:
-            n = info["num_samples"] if split == "train" else None
-        for name, rec in ([] if remote else info["files"].items()):
+            n = info.num_samples if split == "train" else None
+        for name, rec in ([] if remote else info.files.items()):
             path = Path(loc) / name
             if not path.is_file():
                 raise DataError(f"data.{key}: {path} is missing (listed in manifest.json); allowed: the complete "
