@@ -1,5 +1,8 @@
 """A trained model, for evaluation, analysis and export: a run checkpoint (DCP or DeepSpeed, consolidated without
-any process group), an exported safetensors file, or published weights."""
+any process group), an exported safetensors file, or published weights; and where a run keeps its checkpoints.
+
+A run folder (``run.output_dir``) holds ``checkpoints/step_<N>/`` (complete once ``meta.json`` is in), ``latest``
+(a text file naming the newest) and ``best/`` (the best evaluation's weights, fp32, and meta.json)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,65 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .config import ModelConfig, model_options
 from .files import atomic_path
-from .models import create_model, load_pretrained, read_state_dict
+from .models import MODELS, create_model, load_pretrained, read_state_dict
+
+PREFIX = "step_"
+"""A checkpoint's folder: ``step_<step, 9 digits>``."""
+LATEST = "latest"
+"""A text file in the checkpoints folder naming its newest complete checkpoint (for people and tools: resume finds
+the newest by listing the folder)."""
+BEST = "best"
+"""The checkpoints folder's copy of the best evaluation so far: ``model.safetensors`` (the whole model, fp32, as
+``convit-scale export`` writes it) and ``meta.json``; outside the steps that resume and pruning see."""
+EVAL_VIEW = ("eval_crop_ratio", "interpolation")
+"""The recipe's data fields that decide the evaluation's pixels (resize to size / crop ratio, centre crop)."""
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete ``step_<N>`` checkpoints of a checkpoints folder, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def run_checkpoint(spec: str | Path) -> Path:
+    """The checkpoint a user names: a checkpoint folder or a file as they are; a run folder (with ``checkpoints/``)
+    as its newest complete checkpoint; ``RUN:latest`` or ``RUN:best`` for the newest or the best evaluation's."""
+    text = str(spec)
+    run, sep, which = text.rpartition(":")
+    if not (sep and which in ("latest", "best") and Path(run).is_dir()):
+        run, which = text, None
+    path = Path(run)
+    root = path / "checkpoints"
+    if which is None and not root.is_dir():
+        return path  # a checkpoint folder, an exported file or weights: load_trained_model says what it is
+    if not root.is_dir():
+        raise FileNotFoundError(f"{text}: {path} is not a run folder (no checkpoints/); allowed: RUN, RUN:latest, "
+                                f"RUN:best for a run's output_dir, or {CHECKPOINTS}")
+    if which == "best":
+        if not (root / BEST / "meta.json").is_file():
+            raise FileNotFoundError(f"{text}: the run has no best checkpoint yet ({root / BEST}: written at the first "
+                                    f"evaluation); allowed: {run}:latest")
+        return root / BEST
+    newest = latest_checkpoint(root)
+    if newest is None:
+        raise FileNotFoundError(f"{text}: no complete checkpoint in {root} (none has meta.json yet)")
+    return newest
+
+
+def weights_metadata(meta: dict) -> dict[str, str]:
+    """What a weights file (``export``, ``best``) records of its run: the model config, the step, and how the run
+    evaluated (``EVAL_VIEW``), so that ``eval`` and ``analyze`` see its images as the run did."""
+    data = meta["config"].get("data", {})
+    return {"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"]),
+            "eval_view": json.dumps({k: data[k] for k in EVAL_VIEW if k in data})}
 
 
 def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -59,8 +120,7 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(out) as tmp:
-            save_file(state, str(tmp), metadata={"model": json.dumps(meta["config"]["model"]),
-                                                 "step": str(meta["step"])})
+            save_file(state, str(tmp), metadata=weights_metadata(meta))
     except BaseException:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -72,7 +132,7 @@ CHECKPOINTS = "a run checkpoint folder (with meta.json), an exported .safetensor
 """What :func:`load_trained_model` reads, for error messages."""
 
 
-def _model_section(path: Path) -> dict | None:
+def model_section(path: Path) -> dict | None:
     """The run's model config: from a checkpoint's meta.json or an exported file's metadata."""
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}; allowed: {CHECKPOINTS}")
@@ -93,20 +153,29 @@ def _model_section(path: Path) -> dict | None:
 
 
 def eval_view(path: str | Path) -> dict:
-    """How the run evaluated (``eval_crop_ratio``, ``interpolation``), from a run checkpoint's meta.json; empty for
-    files, whose metadata holds the model only (the analysis then uses DeiT's view, 0.875 and bicubic)."""
+    """How the run evaluated (``eval_crop_ratio``, ``interpolation``), from a run checkpoint's meta.json or a weights
+    file's metadata (``weights_metadata``); empty for published weights, which do not say (DeiT's view, 0.875 and
+    bicubic, is then the default)."""
     path = Path(path)
-    if not (path.is_dir() and (path / "meta.json").is_file()):
-        return {}
-    data = json.loads((path / "meta.json").read_text())["config"].get("data", {})
-    return {k: data[k] for k in ("eval_crop_ratio", "interpolation") if k in data}
+    if path.is_dir() and (path / "meta.json").is_file():
+        data = json.loads((path / "meta.json").read_text())["config"].get("data", {})
+        return {k: data[k] for k in EVAL_VIEW if k in data}
+    if path.is_file() and path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), "pt") as f:
+                return json.loads((f.metadata() or {}).get("eval_view", "{}"))
+        except Exception:  # noqa: BLE001 -- not a safetensors file: load_trained_model names it
+            return {}
+    return {}
 
 
-def load_trained_model(path: str | Path, name: str | None = None, num_classes: int | None = None):
-    """A plain ConViT with the weights of a run checkpoint dir, an exported file or published weights."""
+def load_trained_model(path: str | Path, name: str | None = None, num_classes: int | None = None,
+                       img_size: int | None = None):
+    """A plain ConViT with the weights of a run checkpoint dir, an exported file or published weights; built at
+    ``img_size`` when given (the position embedding resampled to its grid, as timm does), else at the run's."""
 
     path = Path(path)
-    section = _model_section(path)
+    section = model_section(path)
     state = None if path.is_dir() else read_state_dict(path)  # a file that holds no weights is named as such
     if section is None and name is None:
         raise ValueError(f"{path}: weights without a model config (not an exported run checkpoint); "
@@ -116,6 +185,13 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
         m.name = name
     if num_classes is not None:
         m.num_classes = num_classes
+    if img_size is not None:
+        spec = MODELS[m.name]
+        patch, own = m.patch_size or spec.patch_size, m.img_size or spec.img_size
+        if img_size % patch:
+            raise ValueError(f"--img-size {img_size}: not a multiple of the model's patch size {patch}; allowed: a "
+                             f"multiple of {patch} (the model's own: {own})")
+        m.img_size = img_size
     elif section is None and state is not None and "head.weight" in state:  # weights alone: classes of their head
         m.num_classes = state["head.weight"].shape[0]
     opts = {**model_options(m), "drop_path_rate": 0.0}

@@ -32,7 +32,7 @@ def _eval(capsys, weights, data, *extra) -> str:
 def test_eval_on_an_ffcv_folder_without_format(weights, fm_ffcv, tmp_path, capsys):
     """Before: --format defaulted to wds, and an FFCV folder ended in a worker traceback."""
     out = _eval(capsys, weights[0], fm_ffcv, "--results-file", str(tmp_path / "r.json"))
-    assert "(200 images on cpu, ffcv data)" in out
+    assert "(200 images on cpu, ffcv data, 16 px, crop ratio 0.875, bicubic: DeiT's default)" in out
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["format"] == "ffcv" and r["images"] == 200 and r["checkpoint"] == str(weights[0])
     assert [c["images"] for c in r["per_class"]] == [20] * 10
@@ -79,3 +79,62 @@ def test_results_file_that_is_a_folder_is_refused(weights, fm_tree, tmp_path, ca
     assert main(["eval", "--checkpoint", str(weights[0]), "--model", "convit_nano", "--data", str(fm_tree),
                  "--results-file", str(tmp_path)]) == 2
     assert f"--results-file {tmp_path} is a folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def run(fm_tree, tmp_path_factory):
+    """A short run whose evaluation is not DeiT's default view (crop ratio 1.0, bilinear, as the demo's recipe)."""
+    from support import records, tiny_recipe, train_here
+
+    tmp = tmp_path_factory.mktemp("eval_run")
+    out = tmp / "run"
+    recipe = tiny_recipe(tmp / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 2, "warmup_epochs": 1},
+                         data={"eval_crop_ratio": 1.0, "interpolation": "bilinear", "eval_batch_size": 50})
+    assert train_here(recipe) == 0
+    return out, records(out, "eval")
+
+
+def _results(capsys, tmp_path, checkpoint, data, *extra) -> tuple[dict, str]:
+    path = tmp_path / f"r{len(list(tmp_path.glob('r*.json')))}.json"
+    assert main(["eval", "--checkpoint", str(checkpoint), "--data", str(data), "--workers", "0", "--device", "cpu",
+                 "--results-file", str(path), *extra]) == 0
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def test_eval_of_a_run_reports_the_top1_the_run_logged(run, fm_tree, tmp_path, capsys):
+    """Before: eval built its view from DeiT's defaults (0.875, bicubic) and reported another top-1 than the run
+    logged for the same weights; a run folder was refused."""
+    out, evals = run
+    last, best = evals[-1], max(evals, key=lambda e: e["top1"])
+    r, printed = _results(capsys, tmp_path, out, fm_tree)  # the run folder: its newest checkpoint
+    assert r["checkpoint"].startswith(str(out / "checkpoints" / "step_")) and r["model"] == "convit_nano"
+    assert (r["eval_crop_ratio"], r["interpolation"], r["view_from"]) == (1.0, "bilinear", "the checkpoint's")
+    assert r["top1"] == pytest.approx(last["top1"]) and r["top5"] == pytest.approx(last["top5"])
+    assert "crop ratio 1, bilinear: the checkpoint's" in printed
+    b, _ = _results(capsys, tmp_path, f"{out}:best", fm_tree)
+    assert b["checkpoint"] == str(out / "checkpoints" / "best") and b["top1"] == pytest.approx(best["top1"])
+    assert (b["eval_crop_ratio"], b["interpolation"]) == (1.0, "bilinear")  # best/'s weights file says it too
+    # the exported file carries the view in its metadata
+    assert main(["export", "--checkpoint", f"{out}:latest", "--out", str(tmp_path / "m.safetensors")]) == 0
+    e, _ = _results(capsys, tmp_path, tmp_path / "m.safetensors", fm_tree)
+    assert (e["eval_crop_ratio"], e["interpolation"], e["top1"]) == (1.0, "bilinear", r["top1"])
+    # a flag changes the view, and says so
+    d, _ = _results(capsys, tmp_path, out, fm_tree, "--crop-ratio", "0.875", "--interpolation", "bicubic")
+    assert (d["eval_crop_ratio"], d["interpolation"]) == (0.875, "bicubic")
+    assert d["view_from"] == "the checkpoint's, --crop-ratio and --interpolation"
+    assert d["loss"] != pytest.approx(r["loss"], rel=1e-6)  # other pixels: DeiT's view is not the run's
+
+
+def test_eval_at_another_size_builds_the_model_there_or_refuses_in_one_line(run, fm_tree, tmp_path, capsys):
+    """Before: --img-size 32 on a model trained at 16 ended in an AssertionError traceback."""
+    out, _ = run
+    r, printed = _results(capsys, tmp_path, out, fm_tree, "--img-size", "32")
+    assert r["img_size"] == 32 and r["images"] == 200 and "32 px" in printed
+    assert main(["eval", "--checkpoint", str(out), "--data", str(fm_tree), "--img-size", "18"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --img-size 18: not a multiple of the model's patch size 4; allowed: a multiple of 4 (the "
+                   "model's own: 16)"], err
+    assert main(["eval", "--checkpoint", f"{out}:nope", "--data", str(fm_tree)]) == 2
+    assert main(["eval", "--checkpoint", f"{tmp_path}:best", "--data", str(fm_tree)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "checkpoint not found" in err[0] and "is not a run folder (no checkpoints/)" in err[1]

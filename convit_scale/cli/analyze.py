@@ -16,15 +16,16 @@ def _cmd_analyze(args) -> int:
     from ..analysis.report import FirstImages, analyze, eval_batches, eval_loader, load_compare
     from ..data.formats import detect_format
     from ..evaluation import Batches, resolve_device
-    from ..trained import eval_view, load_trained_model
+    from ..trained import eval_view, load_trained_model, run_checkpoint
 
     fmt = args.format or detect_format(args.data)  # before the models: bad data is refused before any work
     on = resolve_device(args.device)
-    model = load_trained_model(args.checkpoint, args.model).to(on)
+    checkpoint = run_checkpoint(args.checkpoint)
+    model = load_trained_model(checkpoint, args.model).to(on)
     for spec in args.masking or ():  # every spec names GPSA layers the model has, before any image is read
         gpsa_layers(spec, len(model.gpsa_blocks()))
     compare = load_compare(args.compare, args.compare_model).to(on) if args.compare else None
-    view = eval_view(args.checkpoint)
+    view = eval_view(checkpoint)
     size = model.patch_embed.img_size[0]
     batches = eval_batches(args.data, fmt, size, args.images, **view)
     masking_data = None  # the analysis images, unless another number (or all) is asked for the masking
@@ -33,8 +34,8 @@ def _cmd_analyze(args) -> int:
         held = count is not None and count <= args.images  # among the images in memory; else streamed
         masking_data = FirstImages(Batches(batches) if held else eval_loader(args.data, fmt, size, **view),
                                    count)
-    run_dir = Path(args.run) if args.run else _run_dir_of(Path(args.checkpoint))
-    names = (args.name or Path(args.checkpoint).name,
+    run_dir = Path(args.run) if args.run else _run_dir_of(checkpoint)
+    names = (args.name or checkpoint.name,
              args.compare_name or args.compare_model or (Path(args.compare).name if args.compare else ""))
     result = analyze(model, batches, Path(args.out), compare=compare, run_dir=run_dir, names=names,
                      masking_data=masking_data, masking_specs=args.masking)
@@ -70,7 +71,9 @@ def _run_dir_of(checkpoint: Path) -> Path | None:
 
 def register(sub) -> None:
     p = sub.add_parser("analyze", help="gating, nonlocality, attention maps/distance, CKA, masking for a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="run checkpoint dir, exported .safetensors, or weights")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run folder (its newest checkpoint), RUN:latest, RUN:best, a checkpoint folder, an exported "
+                        ".safetensors, or weights")
     p.add_argument("--model", help="model name when the file holds no config (published weights)")
     p.add_argument("--compare", help="a second model: CKA between the two, layer by layer (a ConViT/DeiT checkpoint "
                                      "or weights, or a timm CNN's local weights with --compare-model, e.g. resnet50)")

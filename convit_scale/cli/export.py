@@ -6,15 +6,18 @@ from pathlib import Path
 
 
 def _cmd_export(args) -> int:
-    from ..trained import export
+    from ..trained import export, run_checkpoint
 
-    out = export(Path(args.checkpoint), Path(args.out))
-    print(f"wrote {out}")
+    checkpoint = run_checkpoint(args.checkpoint)
+    out = export(checkpoint, Path(args.out))
+    print(f"wrote {out} (from {checkpoint})")
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="one consolidated safetensors file from a (sharded) run checkpoint")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint dir (runs/X/checkpoints/step_...)")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run folder (its newest checkpoint), RUN:latest, RUN:best, or a checkpoint folder "
+                        "(runs/X/checkpoints/step_...)")
     p.add_argument("--out", required=True, help="output .safetensors path")
     p.set_defaults(func=_cmd_export)

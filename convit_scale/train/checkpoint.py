@@ -23,8 +23,7 @@ from safetensors.torch import save_file
 
 from .. import comm
 from ..files import publish_dir, recover_swap, write_atomic
-
-PREFIX = "step_"
+from ..trained import BEST, LATEST, PREFIX, complete_checkpoints, latest_checkpoint, weights_metadata
 
 
 class CheckpointIncompatible(ValueError):
@@ -39,19 +38,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-             and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
 
 
 def choose_checkpoint(root: Path, resume: str) -> tuple[Path | None, str]:
@@ -207,12 +193,6 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
     return final
 
 
-LATEST = "latest"
-"""A text file in the checkpoints folder naming its newest complete checkpoint (for people and tools: resume finds
-the newest by listing the folder)."""
-BEST = "best"
-"""The checkpoints folder's copy of the best evaluation so far: ``model.safetensors`` (the whole model, fp32, as
-``convit-scale export`` writes it) and ``meta.json``; outside the steps that resume and pruning see."""
 
 
 def save_best(root: Path, state: dict | None, meta: dict) -> Path:
@@ -224,7 +204,7 @@ def save_best(root: Path, state: dict | None, meta: dict) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"model": json.dumps(meta["config"]["model"]), "step": str(meta["step"])})
+                  metadata=weights_metadata(meta))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish_dir(tmp, final)
     comm.barrier()
