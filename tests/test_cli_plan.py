@@ -83,3 +83,19 @@ def test_the_multi_node_slurm_jobs_run_the_recommended_layout(capsys):
         best = recommend(rows)
         own = [r["layout"] for r in rows if r["recipe_layout"]]
         assert best["recipe_layout"], (job.path.name, best["layout"], own)
+
+
+@pytest.mark.parametrize("nodes", [3, 8])
+def test_a_job_shape_the_launcher_refuses_is_refused_with_the_node_counts_that_work(nodes, capsys):
+    """Before: 3 x 8 said "does not fit" in every row and "no layout fits in memory" (0.3-2.9 GiB of 141 used), exit
+    0; 8 x 8 recommended a layout for 64 ranks. The cause is the launcher's: 24 or 64 ranks cannot share 32 canonical
+    groups. The plan refuses what `convit-scale config --world-size` and slurm/launch.sh refuse, in one line."""
+    assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", str(nodes),
+                 "--gpus-per-node", "8", "--gpu", "h200-141gb"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {nodes} node(s) x 8 GPUs: {nodes * 8} ranks cannot share the "
+                                               f"32 canonical groups"), err
+    assert err[0].endswith("node counts that work with 8 GPUs per node: 1, 2, 4") and "recommended" not in captured.out
+    assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", "2", "--gpus-per-node", "8",
+                 "--gpu", "h200-141gb"]) == 0

@@ -48,6 +48,26 @@ def cpus_per_gpu(flag: float | None, job: SlurmScript | None) -> tuple[float | N
     return None, ""
 
 
+def check_shape(cfg, nodes: int, gpus: int) -> None:
+    """The launcher's own checks of the world size (``check_world``: the strategy, the canonical groups, the
+    micro-batch), refused as the launcher refuses them, with the node counts that work at this many GPUs per node."""
+    from ..train.distributed import check_world
+
+    try:
+        check_world(cfg, nodes * gpus)
+    except ValueError as e:
+        fits = []
+        for n in range(1, max(cfg.data.groups // gpus, 1) + 1):
+            try:
+                check_world(cfg, n * gpus)
+                fits.append(n)
+            except ValueError:
+                pass
+        counts = ", ".join(map(str, fits)) if fits else "none (change --gpus-per-node)"
+        raise ValueError(f"{nodes} node(s) x {gpus} GPUs: {e}; node counts that work with {gpus} GPUs per node: "
+                         f"{counts}") from None
+
+
 def _cmd_plan(args) -> int:
     from ..config import load_config
     from ..planner import Links
@@ -64,6 +84,7 @@ def _cmd_plan(args) -> int:
     cpus, cpus_from = cpus_per_gpu(args.cpus_per_gpu, job)
     if job and not args.nodes and not args.gpus_per_node:
         print(f"the job's shape from slurm/{job.path.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
+    check_shape(cfg, nodes, gpus)
     _print_plan(cfg, args, nodes, gpus, links, cpus)
     _print_links(args.gpu, links)
     _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
