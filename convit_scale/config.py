@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 import re
@@ -44,8 +45,17 @@ def recipe_path(name: str | Path) -> Path:
     rel = Path(*parts[1:]) if len(parts) > 1 and parts[0] == "recipes" else Path(name)
     path = RECIPES / rel
     if rel.is_absolute() or not path.is_file():
-        raise ConfigError(f"recipe not found: {name} (neither a file nor a shipped recipe under {RECIPES})")
+        shipped = [str(Path("recipes") / p.relative_to(RECIPES)) for p in sorted(RECIPES.rglob("*.yaml"))]
+        close = closest(str(Path("recipes") / rel), shipped)
+        raise ConfigError(f"recipe not found: {name} (neither a file nor a shipped recipe under {RECIPES})"
+                          + (f"; did you mean {close}?" if close else ""))
     return path
+
+
+def closest(word: str, choices) -> str | None:
+    """The closest of ``choices`` to a mistyped ``word`` (difflib's ratio >= 0.75), for "did you mean"."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def find_recipe(name: str | Path) -> Path:
@@ -713,7 +723,9 @@ def _build(cls, data: dict, prefix: str, source: str):
     if unknown:
         where = f"in '{prefix.rstrip('.')}'" if prefix else "at the top level"
         raise ConfigError(
-            f"{source}: unknown key '{prefix}{unknown[0]}'; allowed keys {where}: {', '.join(names)}"
+            f"{source}: unknown key '{prefix}{unknown[0]}'"
+            + (f" (did you mean '{prefix}{closest(unknown[0], names)}'?)" if closest(unknown[0], names) else "")
+            + f"; allowed keys {where}: {', '.join(names)}"
         )
     kwargs = {}
     for name in names:

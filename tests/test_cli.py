@@ -63,6 +63,14 @@ def test_bad_input_is_one_error_line(argv, flag, allowed, capsys, tmp_path, monk
 @pytest.mark.parametrize("argv,message", [
     (["config", DEMO, "optim.base_lr"], "override 'optim.base_lr' is not of the form section.key=value"),  # ConfigError
     (["config", DEMO, "optim.nope=1"], "unknown key 'optim.nope'"),
+    (["config", DEMO, "optim.weight_decai=0.1"], "unknown key 'optim.weight_decai' (did you mean "
+                                                 "'optim.weight_decay'?); allowed keys in 'optim': base_lr"),
+    (["config", DEMO, "optimm.base_lr=1"], "unknown key 'optimm' (did you mean 'optim'?)"),
+    (["config", "recipes/table1/convit_tinyy.yaml"], "recipe not found: recipes/table1/convit_tinyy.yaml (neither "
+                                                     "a file nor a shipped recipe under"),
+    (["config", "table1/convit_tny.yaml"], "; did you mean recipes/table1/convit_tiny.yaml?"),
+    ([], "convit-scale: the following arguments are required: command; allowed: config, models, prep, train, eval"),
+    (["bench"], "required: what; allowed: model, data, memory, distill, mfu, inference, pixels, universal, gate"),
     (["export", "--checkpoint", "CKPT", "--out", "OUT"], "CKPT"),
 ])
 def test_expected_failures_of_a_command_are_one_line(argv, message, capsys, tmp_path, monkeypatch):

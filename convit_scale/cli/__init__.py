@@ -61,7 +61,18 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}{_override_hint(message)}")
+        raise UsageError(f"{self.prog}: {message}{_override_hint(message)}{self._choices_hint(message)}")
+
+    def _choices_hint(self, message: str) -> str:
+        """A missing sub-command (or positional with choices) names the ones there are (argparse says only that one
+        is required)."""
+        if not message.startswith("the following arguments are required:"):
+            return ""
+        missing = message.partition(":")[2].replace(",", " ").split()
+        for action in self._actions:
+            if action.dest in missing and action.choices:
+                return f"; allowed: {', '.join(action.choices)} (`{self.prog} --help` says what each does)"
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
