@@ -8,7 +8,7 @@ import time
 from support import records, tiny_recipe, train_here
 
 from convit_scale.config import FaultConfig
-from convit_scale.train.watchdog import COMPUTE, DATA, EVAL, REDUCE, Timeouts, Watchdog, who_stopped
+from convit_scale.train.watchdog import COMPUTE, DATA, EVAL, REDUCE, Timeouts, Watchdog, collective_failure, who_stopped
 
 
 def _beat(rank, step, phase, since, alive, node="n1", state="running"):
@@ -46,6 +46,56 @@ def test_a_rank_without_progress_is_ended_after_its_stacks_naming_the_rank_that_
     err = capsys.readouterr().err
     assert "[convit-scale] hang: rank 1 on n2 stopped responding" in err and "_waiting_in_the_reduction" in err
     wd.stop()
+
+
+def test_a_rank_whose_watchdog_fires_gets_the_stacks_of_every_other_rank(tmp_path, capsys):
+    """The rank that hangs is often ended by the launcher (once the waiting rank's collective times out) long before
+    its own watchdog fires: nobody could say where it was. Rank 0's watchdog fires; rank 1 (long timeouts, stuck in
+    its evaluation) writes every thread's stack when asked, and goes on."""
+    stuck = threading.Event()
+
+    def _stuck_in_the_validation_loader():
+        stuck.wait(60)
+
+    threading.Thread(target=_stuck_in_the_validation_loader, daemon=True).start()
+    slow = Timeouts(step=100, startup=100, long=100)
+    r1 = Watchdog(tmp_path, 1, 2, slow, heartbeat_s=0.2, on_hang=lambda r: None).start()
+    r1.started = True
+    r1.mark(EVAL, 6)
+    fired = threading.Event()
+    r0 = Watchdog(tmp_path, 0, 2, Timeouts(step=1.0, startup=1.0, long=1.0), heartbeat_s=0.2,
+                  on_hang=lambda r: fired.set()).start()
+    r0.started = True
+    r0.mark(REDUCE, 7)
+    try:
+        assert fired.wait(20)
+        path = tmp_path / "hangs" / "rank_1.stacks.txt"
+        t0 = time.time()
+        while not path.is_file() and time.time() - t0 < 5:
+            time.sleep(0.05)
+        text = path.read_text()
+        assert text.startswith("rank 1 on ") and "asked by rank 0 on " in text and "its watchdog fired" in text
+        assert "this rank had been in evaluation after step 6 for " in text
+        assert "_stuck_in_the_validation_loader" in text  # where it was
+        assert r1.fired is None and r1._thread.is_alive()  # asked, it only writes: its own timeouts still decide
+        assert "rank 1 on " in capsys.readouterr().err
+    finally:
+        stuck.set()
+        r1.stop()
+        r0.stop()
+
+
+def test_a_failed_collective_is_told_from_other_errors():
+    import torch.distributed as dist
+
+    from convit_scale.data import DataError
+
+    assert collective_failure(dist.DistBackendError("[../gloo/transport/tcp/pair.cc:534] Connection closed"))
+    assert collective_failure(RuntimeError("[../third_party/gloo/...] Timed out waiting 600000ms for recv"))
+    assert collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]:29500"))
+    assert not collective_failure(ValueError("timed out"))
+    assert not collective_failure(DataError("x: truncated shard"))
+    assert not collective_failure(RuntimeError("CUDA out of memory"))
 
 
 def test_who_stopped_first():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from .. import comm
@@ -22,7 +23,7 @@ from .loop import fit
 from .setup import log, setup
 from .signals import EXIT_REQUEUE, StopSignal
 from .step import NonFiniteLoss
-from .watchdog import Watchdog
+from .watchdog import Watchdog, collective_failure
 
 EXIT_BAD_INPUT = 2
 """Refused at start-up (data, checkpoint, world size) or data that failed during training: one ``error:`` line."""
@@ -74,6 +75,9 @@ def train(cfg: Config) -> str:
             run.strategy.close()
     except BaseException as e:
         outcome = _outcome(e)
+        if collective_failure(e):  # the others' stacks before the launcher ends them: where the culprit was
+            watch.request_stacks(f"a collective failed on it: {outcome[len('failed: '):][:200]}")
+            time.sleep(2 * watch.tick + 0.5)
         raise
     finally:
         watch.stop(outcome)

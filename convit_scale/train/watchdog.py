@@ -12,6 +12,11 @@ Each rank's thread also publishes its progress every ``fault.heartbeat_s`` in ``
 (step, phase, since when, and ``alive``: when the thread last wrote), where the others read it without a collective.
 A rank whose file stopped being written (a stopped or dead process) stopped first; else the one that is not waiting
 in a collective (a loader that never delivers, a kernel that never ends); the others were only waiting for it.
+
+A rank whose watchdog fires, or whose collective fails (the process group's timeout, a peer that closed), first asks
+every rank of its launch for their stacks (``hangs/dump_request.json``, which each watchdog thread looks for every
+tick): the rank that hung is often ended by the launcher, once the waiting rank's collective has timed out, long
+before its own watchdog would fire, and its stacks say where it was (``hangs/rank_<r>.stacks.txt``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ LONG_PHASES = frozenset({EPOCH_START, SAVE, RESUME, EVAL})
 """Phases of the long timeout: work that is legitimately slow (files, a whole evaluation, a loader's warm-up)."""
 STALE_BEATS = 3
 """A rank whose heartbeat is older than this many periods is not responding (stopped, or dead)."""
+DUMP_REQUEST = "dump_request.json"
+"""In ``hangs/``: a rank asks every rank of its launch to write its stacks now (the module says why)."""
 
 
 def node_name() -> str:
@@ -96,6 +103,7 @@ class Watchdog:
     """How long this process was stopped (its thread did not run), if it was."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _request_seen: float = 0.0
 
     def __post_init__(self):
         self.node, self.launch, self.pid, self.born = node_name(), launch_id(), os.getpid(), time.time()
@@ -152,10 +160,14 @@ class Watchdog:
         except OSError:
             pass  # a full or vanished file system must not end a rank that is training
 
+    @property
+    def tick(self) -> float:
+        """How often the thread wakes (and answers a request for stacks)."""
+        return min(1.0, self.heartbeat_s / 2)
+
     def _run(self) -> None:
         last = woke = time.time()
-        tick = min(1.0, self.heartbeat_s / 2)
-        while not self._stop.wait(tick):
+        while not self._stop.wait(self.tick):
             now = time.time()
             if now - woke > STALE_BEATS * self.heartbeat_s:  # this thread did not run: the whole process was stopped
                 self.frozen_s = now - woke
@@ -163,21 +175,60 @@ class Watchdog:
             if now - last >= self.heartbeat_s:
                 self.publish()
                 last = now
+            self._answer_request()
             limit = self.timeouts.of(self.phase, self.started)
             if now - self.since > limit:
                 self.fire(now - self.since, limit)
                 return
 
-    def fire(self, waited: float, limit: float) -> dict:
-        """Stacks, flight recorder, report, then ``on_hang`` (default: end the process with ``EXIT_HANG``)."""
+    def request_stacks(self, reason: str) -> None:
+        """Ask every rank of this launch to write its stacks now (their watchdog threads answer within a tick)."""
+        if not self.enabled:
+            return
+        try:
+            (self.out / "hangs").mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.out / "hangs" / DUMP_REQUEST, {"rank": self.rank, "node": self.node,
+                              "launch": self.launch, "reason": reason, "time": time.time()}, fsync=False)
+        except OSError:
+            pass  # the report that follows still has this rank's own stacks
+
+    def _answer_request(self) -> None:
+        """Write this rank's stacks when another rank of this launch asked for them (``request_stacks``)."""
+        path = self.out / "hangs" / DUMP_REQUEST
+        try:
+            mtime = path.stat().st_mtime
+            if mtime <= self._request_seen:
+                return
+            self._request_seen = mtime
+            req = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if req.get("launch") != self.launch or req.get("rank") == self.rank or req.get("time", 0) < self.born:
+            return
+        stacks = self.write_stacks(f"asked by rank {req.get('rank')} on {req.get('node')} ({req.get('reason')}); "
+                                   f"this rank had been in {where(self.step, self.phase)} for "
+                                   f"{time.time() - self.since:.0f} s")
+        print(f"[convit-scale] rank {self.rank} on {self.node}: every thread's stack in {stacks} (asked by rank "
+              f"{req.get('rank')}: {req.get('reason')})", file=sys.stderr, flush=True)
+
+    def write_stacks(self, headline: str) -> Path:
+        """Every thread's Python stack (faulthandler: works from this thread, whatever the main thread is doing)."""
         hangs = self.out / "hangs"
         hangs.mkdir(parents=True, exist_ok=True)
         stacks = hangs / f"rank_{self.rank}.stacks.txt"
         with open(stacks, "w") as f:
-            f.write(f"rank {self.rank} on {self.node}, pid {self.pid}: no progress for {waited:.0f} s in "
-                    f"{where(self.step, self.phase)} (limit {limit:g} s)\n")
+            f.write(f"rank {self.rank} on {self.node}, pid {self.pid}: {headline}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        return stacks
+
+    def fire(self, waited: float, limit: float) -> dict:
+        """Stacks (this rank's, and every other rank's asked for), flight recorder, report, then ``on_hang``
+        (default: end the process with ``EXIT_HANG``)."""
+        hangs = self.out / "hangs"
+        self.request_stacks(f"its watchdog fired: no progress for {waited:.0f} s in {where(self.step, self.phase)}")
+        stacks = self.write_stacks(f"no progress for {waited:.0f} s in {where(self.step, self.phase)} "
+                                   f"(limit {limit:g} s)")
         print(f"[convit-scale] rank {self.rank} on {self.node}: no progress for {waited:.0f} s in "
               f"{where(self.step, self.phase)}; every thread's stack (also in {stacks}):\n{stacks.read_text()}",
               file=sys.stderr, flush=True)
@@ -200,6 +251,16 @@ class Watchdog:
         self.fired = report
         (self.on_hang or _exit_hang)(report)
         return report
+
+
+def collective_failure(e: BaseException) -> bool:
+    """A collective that failed on this rank (the process group's timeout, a peer that closed its connection, NCCL's
+    watchdog): another rank is the likely cause, and its stacks say where it was."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "NCCL", "Gloo"))
 
 
 def _exit_hang(report: dict) -> None:
