@@ -475,8 +475,12 @@ class FaultConfig:
 
 @dataclass
 class LogConfig:
-    every_steps: int = 10
-    """Write a metrics.jsonl record every this many steps."""
+    every_steps: int | None = 10
+    """Write a metrics.jsonl record every this many steps; null: by time alone (log.every_seconds)."""
+    every_seconds: float | None = None
+    """Also write one when this many seconds have passed since the last (rank 0's clock, agreed in the step's
+    reduction, so every rank logs after the same step); null: by steps alone. A GPU recipe's steps take milliseconds:
+    the recipes log every 30 s, a few hundred records per day, not one per 10 steps (75,000 for ConViT-B+)."""
     progress: bool = True
     """Rich progress bar on rank 0."""
     tensorboard: bool = False
@@ -505,8 +509,12 @@ class LogConfig:
     for ImageFolder and FFCV, shard/key for WebDataset)."""
 
     def validate(self, fail) -> None:
-        if self.every_steps < 1:
-            fail("log.every_steps", self.every_steps, "must be >= 1")
+        if self.every_steps is not None and self.every_steps < 1:
+            fail("log.every_steps", self.every_steps, "must be >= 1, or null (by log.every_seconds alone)")
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            fail("log.every_seconds", self.every_seconds, "must be > 0, or null")
+        if self.every_steps is None and self.every_seconds is None:
+            fail("log.every_steps", None, "null needs log.every_seconds (a record by time); set one of them")
         if self.analysis_images < 0:
             fail("log.analysis_images", self.analysis_images, "must be >= 0 (0 turns the analysis off)")
         for key in ("wandb_project", "wandb_name"):

@@ -34,7 +34,8 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
     m.steps_since_log += 1
     for record in res.bad_samples:  # every step that has any: one record per replaced sample
         run.metrics.write({"kind": "bad_sample", "step": state.step, "epoch": state.epoch, **record})
-    if state.step % cfg.log.every_steps == 0 or state.step == run.total_steps:
+    every = cfg.log.every_steps
+    if (every and state.step % every == 0) or res.log_due or state.step == run.total_steps:
         now = time.time()
         seconds = max(now - m.last_log_time, 1e-9)
         grad_norm = res.grad_norm if res.grad_norm is not None or res.bad else run.strategy.reported_grad_norm()

@@ -26,6 +26,10 @@ class Meters:
     last_save_time: float = field(default_factory=time.monotonic)
     """When this process last saved (or started): checkpoint.every_minutes counts from it, on rank 0's clock."""
 
+    def log_due(self, every_seconds: float | None) -> bool:
+        """Whether ``every_seconds`` have passed since the last log record, on this process's clock."""
+        return every_seconds is not None and time.time() - self.last_log_time >= every_seconds
+
     def save_due(self, every_minutes: float | None) -> bool:
         """Whether ``every_minutes`` have passed since the last save, on this process's clock."""
         return every_minutes is not None and time.monotonic() - self.last_save_time >= 60 * every_minutes

@@ -42,6 +42,9 @@ class StepTotals(NamedTuple):
     save_due: float
     """Rank 0's clock says checkpoint.every_minutes have passed since the last save (0 elsewhere): every rank then
     saves after this step, whatever its own clock says."""
+    log_due: float
+    """Rank 0's clock says log.every_seconds have passed since the last record: every rank logs after this step (the
+    log step gathers from every rank)."""
 
 
 class StepStats:
@@ -74,6 +77,8 @@ class StepResult:
     """This rank's samples of the step, in canonical order (``Batch.ids``; for ``log.debug_samples``)."""
     save_due: bool = False
     """checkpoint.every_minutes elapsed on rank 0's clock (the same decision on every rank)."""
+    log_due: bool = False
+    """log.every_seconds elapsed on rank 0's clock (the same decision on every rank)."""
 
 
 def steps_of_epoch(run: Run, state: TrainState):
@@ -116,6 +121,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats.add("stop", float(run.stop.requested))
     stats.add("bad_samples", float(len(bad_samples)))  # gathered below only when some rank has any
     stats.add("save_due", float(ctx.is_main and state.meters.save_due(cfg.checkpoint.every_minutes)))
+    stats.add("log_due", float(ctx.is_main and state.meters.log_due(cfg.log.every_seconds)))
     watch.mark(REDUCE)
     totals = stats.reduce()
     if totals.bad_samples:
@@ -131,7 +137,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     state.step += 1
     bad = bool(totals.bad_loss or bad_grad)
     return StepResult(totals.loss_sum / (run.accum * ctx.world_size), None if bad else norm, bad, totals.stop > 0,
-                      lr, bad_samples, ids, totals.save_due > 0)
+                      lr, bad_samples, ids, totals.save_due > 0, totals.log_due > 0)
 
 
 def _sample_draws(run: Run, state: TrainState, batch: Batch, m: int, size: tuple[int, int]) -> tuple:
