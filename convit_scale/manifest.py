@@ -12,6 +12,12 @@ split the samples per class, the files with their samples, checksum and size, an
 Files are named relative to the dataset's folder; ``per_class`` keys are labels as strings (JSON's keys).
 A location is a local folder or a WebDataset URL template with ``{name}`` (``pipe:...{name}``, ``https://...``).
 
+WebDataset shards in timm's layout (``KEY.jpg`` and ``KEY.cls`` samples, and ``_info.json`` listing each split's
+files and shard lengths, as timm's ImageNet shards are published) are read in place: a folder with ``_info.json``
+and no ``manifest.json`` gives a manifest of its own (the shards and their lengths; no class names, no per-class
+counts, which such a folder does not record; ``validation`` serves as ``val``). ``prep wds`` writes ``_info.json``
+beside its manifest, so that timm's WebDataset reader takes its shards as they are.
+
 It sits below ``data/`` and ``data_prep/`` (both read it; a conversion's worker processes import no torch), with
 :class:`DataError`, the one error of unusable data, which ``data/`` re-exports.
 """
@@ -31,8 +37,12 @@ class DataError(RuntimeError):
 
 
 MANIFEST = "manifest.json"
+TIMM_INFO = "_info.json"
+"""timm's description of a WebDataset folder (``timm.data.readers.reader_wds``)."""
 FORMATS = ("ffcv", "wds")
 """The formats ``convit-scale prep`` writes."""
+SPLIT_ALIASES = {"val": ("validation",)}
+"""Other names of a split in other tools' layouts (timm's ImageNet shards name it ``validation``)."""
 
 
 @dataclass
@@ -90,11 +100,34 @@ class Manifest:
         return float(self.options.get("subset_fraction", 1.0))
 
     def split(self, name: str) -> Split:
-        """The split ``name``, or a DataError naming the location and the splits it has."""
-        if name not in self.splits:
-            raise DataError(f"{self.location}: manifest has no {name!r} split; allowed: a prepared folder with "
-                            f"{name}/ (it has: {', '.join(sorted(self.splits)) or 'none'})")
-        return self.splits[name]
+        """The split ``name`` (or its other name, ``SPLIT_ALIASES``), or a DataError naming the location and the
+        splits it has."""
+        for candidate in (name, *SPLIT_ALIASES.get(name, ())):
+            if candidate in self.splits:
+                return self.splits[candidate]
+        raise DataError(f"{self.location}: manifest has no {name!r} split; allowed: a prepared folder with "
+                        f"{name}/ (it has: {', '.join(sorted(self.splits)) or 'none'})")
+
+    def timm_info(self, name: str) -> dict:
+        """timm's ``_info.json`` for these WebDataset shards: each split's files and shard lengths."""
+        return {"name": name, "splits": {k: {"name": k, "num_samples": s.num_samples, "filenames": [f for f, _ in
+                s.shards()], "shard_lengths": [n for _, n in s.shards()]} for k, s in self.splits.items()}}
+
+    @classmethod
+    def from_timm_info(cls, info: dict, location: str) -> "Manifest":
+        """The manifest of a WebDataset folder that timm's ``_info.json`` describes (the module says what it lacks)."""
+        try:
+            splits = {}
+            for key, s in info["splits"].items():
+                files, lengths = list(s["filenames"]), [int(n) for n in s["shard_lengths"]]
+                if len(files) != len(lengths):
+                    raise ValueError(f"split {key!r}: {len(files)} filenames, {len(lengths)} shard_lengths")
+                splits[key] = Split(sum(lengths), {}, {f: {"samples": n} for f, n in zip(files, lengths)})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else str(e)
+            raise DataError(f"{location}: {TIMM_INFO} does not list each split's filenames and shard_lengths "
+                            f"({what}); allowed: timm's layout, or `convit-scale prep wds` output") from e
+        return cls("wds", f"{location} ({TIMM_INFO})", {}, [], splits, location)
 
     def require_subset(self, fraction: float) -> None:
         """WebDataset subsets (Table 2) are made at conversion: the shards must hold the recipe's fraction."""
@@ -122,24 +155,13 @@ class Manifest:
 
     @classmethod
     def read(cls, location: str | Path) -> "Manifest":
-        """The manifest of a local folder or a WebDataset URL template; a DataError in one line when there is none
-        or it does not read."""
+        """The manifest of a local folder or a WebDataset URL template (or timm's ``_info.json`` of a local folder
+        without one); a DataError in one line when there is none or it does not read."""
         location = str(location)
-        try:
-            if "{name}" in location:
-                from webdataset.gopen import gopen  # only a URL location needs it
-
-                with gopen(location.format(name=MANIFEST), "rb") as f:
-                    text = f.read()
-            else:
-                path = Path(location) / MANIFEST
-                if not path.is_file():
-                    raise DataError(f"{location}: no {MANIFEST} (not found); convert with `convit-scale prep`")
-                text = path.read_bytes()
-            d = json.loads(text)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{location}: no readable {MANIFEST} ({e}); convert with `convit-scale prep`") from e
-        return cls.from_dict(d, location)
+        if "{name}" not in location and not (Path(location) / MANIFEST).is_file() \
+                and (Path(location) / TIMM_INFO).is_file():
+            return cls.from_timm_info(_read_json(location, TIMM_INFO), location)
+        return cls.from_dict(_read_json(location, MANIFEST), location)
 
     def write(self, folder: str | Path) -> Path:
         """Atomically, as the last file of a conversion: a folder with a manifest is complete."""
@@ -148,6 +170,25 @@ class Manifest:
         return path
 
 
-def is_prepared(location: str) -> bool:
-    """A local folder with a manifest (a URL template cannot be listed: it is taken as prepared)."""
-    return "{name}" in location or (Path(location) / MANIFEST).is_file()
+def described(location: str) -> bool:
+    """A local folder with a manifest, or with timm's ``_info.json`` (a URL template cannot be listed: it is taken as
+    described)."""
+    return "{name}" in location or any((Path(location) / n).is_file() for n in (MANIFEST, TIMM_INFO))
+
+
+def _read_json(location: str, name: str) -> dict:
+    try:
+        if "{name}" in location:
+            from webdataset.gopen import gopen  # only a URL location needs it
+
+            with gopen(location.format(name=name), "rb") as f:
+                text = f.read()
+        else:
+            path = Path(location) / name
+            if not path.is_file():
+                raise DataError(f"{location}: no {name} (not found); convert with `convit-scale prep`, or, for "
+                                f"WebDataset shards another tool wrote, give the folder timm's {TIMM_INFO}")
+            text = path.read_bytes()
+        return json.loads(text)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{location}: no readable {name} ({e}); convert with `convit-scale prep`") from e

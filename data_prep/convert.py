@@ -31,7 +31,7 @@ from convit_scale.ffcv_threads import importing_ffcv
 from convit_scale.files import atomic_path, write_json_atomic
 from convit_scale.imagetree import PrepError, Sample, list_classes, load_rgb_jpeg, scan_split, subsample
 from convit_scale.jpeg import decode_rgb_array
-from convit_scale.manifest import MANIFEST, DataError, Manifest, Split
+from convit_scale.manifest import MANIFEST, TIMM_INFO, DataError, Manifest, Split
 
 
 @dataclass
@@ -455,6 +455,8 @@ def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> Manifest:
     for split, (samples, problems) in scanned.items():
         manifest.splits[split] = Split.from_dict(_convert_split(src, out, split, samples, problems, opts))
     (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
+    if opts.fmt == "wds":  # timm's WebDataset reader takes the shards as they are (--dataset wds/... --data-dir OUT)
+        write_json_atomic(out / TIMM_INFO, manifest.timm_info(out.name))
     manifest.write(out)
     return manifest
 

@@ -102,6 +102,27 @@ def test_wds_corrupt_jpeg_and_truncated_member_are_replaced_counted_and_limited(
     assert any(msg.startswith(shard + ":") for shard, _ in expected)
 
 
+def test_wds_evaluation_replaces_a_corrupt_jpeg_with_the_next_good_sample_of_its_batch(fm_wds, tmp_path):
+    """Before: evaluation's replacement handed decode_chunk an index instead of an image, and a corrupt validation
+    JPEG ended the evaluation in a TypeError."""
+    out = tmp_path / "wds"
+    shutil.copytree(fm_wds, out)
+    shard = sorted(out.glob("val-*.tar"))[0]
+    with tarfile.open(shard) as tar:
+        jpgs = [m.name for m in tar if m.name.endswith(".jpg")]
+    _rewrite_shard(shard, lambda name, data: data[: len(data) // 2] if name == jpgs[1] else data)
+    _record_sizes(out)
+    d = DataConfig(format="wds", train_path=str(out), val_path=str(out), num_workers=0)
+    got = _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
+    clean = _epoch(build_loader(DataConfig(**{**d.__dict__, "val_path": str(fm_wds)}), LoaderSpec("val", 32, 50)))
+    bad = [r for _, _, rs in got for r in rs]
+    assert [(r["key"], r["reason"].split()[0]) for r in bad] == [(jpgs[1].rsplit(".", 1)[0], "undecodable")]
+    x, y, _ = got[0]  # the first batch: sample 1 is sample 2's image and label again, the others untouched
+    x0, y0, _ = clean[0]
+    assert torch.equal(x[1], x0[2]) and y[1] == y0[2] and torch.equal(x[2:], x0[2:]) and torch.equal(x[0], x0[0])
+    assert sum(len(b[1]) for b in got) == sum(len(b[1]) for b in clean)
+
+
 def _flaky_pipe(tmp_path, folder, when_failing: str) -> str:
     """A ``pipe:`` location whose command runs ``when_failing`` for the first two opens of a .tar shard (a
     counter file counts the opens), then streams the shard; the manifest always streams."""

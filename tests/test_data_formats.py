@@ -20,7 +20,8 @@ def test_prepared_folders_and_trees_are_recognised(fm_tree, fm_wds, fm_ffcv):
 
 
 @pytest.mark.parametrize("make,words", [
-    (lambda p: p, ["neither a `convit-scale prep` output (no manifest.json) nor an ImageFolder root",
+    (lambda p: p, ["neither a `convit-scale prep` output (no manifest.json), WebDataset shards with timm's "
+                   "_info.json, nor an ImageFolder root",
                    "--format ffcv|wds|imagefolder"]),
     (lambda p: (p / "train").mkdir() or p, ["no class folders in train/"]),
     (lambda p: (p / "f.txt").write_text("") and p / "f.txt", ["not a folder"]),

@@ -6,27 +6,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..imagetree import list_classes
-from ..manifest import MANIFEST, Manifest
+from ..manifest import TIMM_INFO, Manifest, described
 from .faults import DataError
 
 FORMATS = ("ffcv", "wds", "imagefolder")
 
 
 def detect_format(location: str) -> str:
-    """``manifest.json``'s format (a local folder, or a WebDataset URL template with ``{name}``), else
-    ``imagefolder`` for an ImageNet-style tree (``train/<class>/``). Anything else is a DataError naming the
-    location and what was looked for."""
+    """``manifest.json``'s format (a local folder, or a WebDataset URL template with ``{name}``), ``wds`` for a
+    folder of WebDataset shards with timm's ``_info.json``, else ``imagefolder`` for an ImageNet-style tree
+    (``train/<class>/``). Anything else is a DataError naming the location and what was looked for."""
 
     local = "{name}" not in location
     if local and not Path(location).is_dir():
         raise DataError(f"{location}: not a folder; allowed: a `convit-scale prep` output (with manifest.json), an "
                         f"ImageFolder root (train/ and val/ class folders) or a WebDataset URL template with {{name}}")
-    if local and not (Path(location) / MANIFEST).is_file():
+    if local and not described(location):
         train = Path(location) / "train"
         if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
             return "imagefolder"
-        raise DataError(f"{location}: neither a `convit-scale prep` output (no manifest.json) nor an ImageFolder "
-                        f"root (no class folders in train/); name the format with --format {'|'.join(FORMATS)}")
+        raise DataError(f"{location}: neither a `convit-scale prep` output (no manifest.json), WebDataset shards "
+                        f"with timm's {TIMM_INFO}, nor an ImageFolder root (no class folders in train/); name the "
+                        f"format with --format {'|'.join(FORMATS)}")
     return Manifest.read(location).format  # refuses a format prep does not write
 
 

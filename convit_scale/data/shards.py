@@ -71,8 +71,9 @@ def _open_stream(url: str):
 
 def _tar_samples(tar, where: list):
     """(key, jpg, label, reason) of each sample of an open tar stream, in order; ``where[0]`` holds the key being
-    read. A sample without both members or with an unreadable label comes with a reason instead of data."""
-    key, jpg, cls = None, None, None
+    read. A sample without both members or with an unreadable label comes with a reason instead of data. Other
+    members of a sample (timm's ``.json`` sidecar, before or after the two) are read past."""
+    key, jpg, cls, given = None, None, None, None
 
     def sample():
         if jpg is None or cls is None:
@@ -84,6 +85,8 @@ def _tar_samples(tar, where: list):
 
     for member in tar:
         stem, _, ext = member.name.rpartition(".")
+        if stem == given:  # a member of the sample just yielded
+            continue
         if stem != key:
             if key is not None:
                 yield sample()
@@ -98,7 +101,7 @@ def _tar_samples(tar, where: list):
             cls = payload
         if jpg is not None and cls is not None:
             yield sample()
-            key, jpg, cls = None, None, None
+            key, jpg, cls, given = None, None, None, stem
     if key is not None:
         yield sample()
 

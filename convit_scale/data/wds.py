@@ -225,8 +225,12 @@ class _EvalEpoch(IterableDataset):
         s, b = self.loader.spec, self.loader.spec.micro_batch_size
         seeds = view_seeds(s.seed, self.epoch, s.rank * views_per_rank(self.loader.num_samples, s.world_size) + k * b
                            + np.arange(len(chunk)))
-        images, labels, bad = decode_chunk(chunk, seeds, self.loader.transform, lambda i, failed: next_good(
-            failed, i, len(chunk)), f"batch {k}")
+
+        def replacement(i: int, failed: dict):  # the next good item of the batch, decoded
+            j = next_good(failed, i, len(chunk))
+            return None if j is None else _decodable(chunk[j])
+
+        images, labels, bad = decode_chunk(chunk, seeds, self.loader.transform, replacement, f"batch {k}")
         return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long), bad=bad)
 
 
