@@ -605,6 +605,45 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def explain(key: str, cfg: "Config | None" = None) -> str:
+    """A dotted key's documentation: its type, default and field docstring (and, with ``cfg``, its value there); a
+    section's keys with theirs. For ``convit-scale config --explain``."""
+    cls, parts, default = Config, key.split("."), None
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            close = closest(part, names)
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"--explain {key}: no key '{part}' in {where}"
+                              + (f" (did you mean '{'.'.join([*parts[:i], close])}'?)" if close else "")
+                              + f"; allowed: {', '.join(names)}")
+        hint = typing.get_type_hints(cls)[part]
+        if i < len(parts) - 1:
+            if not dataclasses.is_dataclass(hint):
+                raise ConfigError(f"--explain {key}: '{'.'.join(parts[:i + 1])}' is a key, not a section")
+            cls = hint
+        else:
+            field_ = next(f for f in dataclasses.fields(cls) if f.name == part)
+            default = field_.default if field_.default is not dataclasses.MISSING else (
+                field_.default_factory() if field_.default_factory is not dataclasses.MISSING else None)
+    if dataclasses.is_dataclass(hint):  # a section: each key with its docstring's first line
+        docs = {k: v.splitlines()[0] for k, v in field_docs(hint).items() if v}
+        return f"{key}: a section\n" + "".join(f"  {key}.{f.name}: {docs.get(f.name, '')}\n"
+                                                for f in dataclasses.fields(hint))
+    value = ""
+    if cfg is not None:
+        node = cfg
+        for part in parts:
+            node = getattr(node, part)
+        value = f" (this recipe: {_to_plain(node)!r})"
+    if typing.get_origin(hint) is Literal:
+        kind = "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    else:
+        kind = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    doc = " ".join(line.strip() for line in field_docs(cls).get(parts[-1], "").splitlines())
+    return f"{key}: {kind}, default {_to_plain(default)!r}{value}\n  {doc}\n"
+
+
 # -- loading ---------------------------------------------------------------------------------------
 def _to_plain(obj):
     if isinstance(obj, dict):

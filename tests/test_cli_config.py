@@ -45,3 +45,31 @@ def test_get_prints_one_key(capsys, monkeypatch):
     assert capsys.readouterr().out == "64\n"
     assert main(["config", "--recipe", DEMO, "--get", "run.nope"]) == 2
     assert "--get run.nope: no such key in the config" in capsys.readouterr().err
+
+
+def test_explain_prints_a_keys_documentation(capsys, monkeypatch):
+    """The field docstrings of config.py are the recipe's reference: `config --explain KEY` prints them."""
+    monkeypatch.chdir(REPO)
+    assert main(["config", "--explain", "parallel.strategy"]) == 0
+    assert capsys.readouterr().out == ("parallel.strategy: one of 'none', 'ddp', 'fsdp2', 'zero1', 'zero2', 'zero3', "
+                                       "default 'fsdp2'\n  How ranks share the work: DDP, FSDP2 (fully_shard), or "
+                                       "DeepSpeed ZeRO stage 1/2/3.\n")
+    assert main(["config", "--recipe", "recipes/table1/convit_base_plus.yaml", "--explain", "optim.base_lr"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("optim.base_lr: float, default 0.0005 (this recipe: 0.0004)\n  Learning rate at a global")
+    assert main(["config", "--explain", "optim"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "optim: a section" and "  optim.weight_decay: AdamW weight decay" in lines[3]
+    assert main(["config", "--explain", "optim.weight_decai"]) == 2
+    assert "no key 'weight_decai' in optim (did you mean 'optim.weight_decay'?)" in capsys.readouterr().err
+
+
+def test_world_size_check_is_the_ranks_own(capsys, monkeypatch):
+    """slurm/launch.sh's check before srun is check_world, what every rank checks at set-up: a strategy that cannot
+    run on that many ranks is refused before any starts, as the groups that cannot be shared are."""
+    monkeypatch.chdir(REPO)
+    assert main(["config", "--recipe", DEMO, "--world-size", "2", "parallel.strategy=none"]) == 2
+    assert "parallel.strategy = 'none' on 2 ranks" in capsys.readouterr().err
+    assert main(["config", "--recipe", "recipes/table1/convit_base_plus.yaml", "--world-size", "24"]) == 2
+    assert "24 ranks cannot share the 32 canonical groups" in capsys.readouterr().err
+    assert main(["config", "--recipe", DEMO, "--world-size", "2", "--get", "data.global_batch_size"]) == 0

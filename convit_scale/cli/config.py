@@ -12,9 +12,12 @@ RECIPE_HELP = "a recipe file or a shipped recipe's name (recipes/cpu/demo.yaml)"
 
 
 def _cmd_config(args) -> int:
-    from ..config import load_config
+    from ..config import explain, load_config
 
     path, overrides = args.recipe, list(args.rest)
+    if args.explain is not None and path is None and not overrides:  # a key's documentation, no recipe needed
+        print(explain(args.explain), end="")
+        return 0
     if path is None:  # the older form: the recipe is the first positional argument
         if not overrides or "=" in overrides[0]:
             raise ValueError(f"config needs --recipe; allowed: {RECIPE_HELP}, as --recipe R or as the first argument")
@@ -23,10 +26,13 @@ def _cmd_config(args) -> int:
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"argument --recipe: {e}") from None
     cfg = load_config(path, overrides)
+    if args.explain is not None:
+        print(explain(args.explain, cfg), end="")
+        return 0
     if args.world_size is not None:  # slurm/launch.sh: the job's ranks, before any of them starts
-        problem = cfg.data.world_size_problem(args.world_size)
-        if problem is not None:
-            raise ValueError(problem)
+        from ..train.distributed import check_world
+
+        check_world(cfg, args.world_size)  # what every rank checks again at set-up, and `plan` too
     if args.get is None:
         print(cfg.to_yaml(), end="")
         return 0
@@ -46,6 +52,9 @@ def register(sub) -> None:
                                    "every key checked. `config RECIPE [overrides]` works too.")
     p.add_argument("--recipe", type=recipe, help=RECIPE_HELP)
     p.add_argument("--get", metavar="KEY", help="print only this dotted key's value (e.g. run.output_dir), for scripts")
+    p.add_argument("--explain", metavar="KEY",
+                   help="a dotted key's (or section's) documentation: type, default, what it does (with a recipe: "
+                        "its value there too)")
     p.add_argument("--world-size", type=int_at_least(1), metavar="N",
                    help="refuse the recipe unless N ranks can run it (each rank whole canonical groups), for scripts")
     p.add_argument("rest", nargs="*", metavar="override",
