@@ -436,6 +436,37 @@ def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4, layout
     return rows
 
 
+_TEACHER_FLOPS: dict = {}
+
+
+def teacher_flops(name: str, img_size: int) -> int:
+    """FLOPs of a timm teacher's forward of one image (Table 4's RegNetY-16GF), counted on the meta device."""
+    key = (name, img_size)
+    if key not in _TEACHER_FLOPS:
+        import timm
+
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False).eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(torch.empty(1, 3, img_size, img_size, device="meta"))
+        _TEACHER_FLOPS[key] = counter.get_total_flops()
+    return _TEACHER_FLOPS[key]
+
+
+def train_flops_per_image(cfg, facts: ModelFacts, p: ParallelConfig) -> float:
+    """A training step's FLOPs per image: forward and backward (3 x forward, MFU's convention), one more forward with
+    activation checkpointing (each block's forward is recomputed in backward), and the teacher's forward (Table 4)."""
+    flops = (4 if p.activation_checkpointing else 3) * facts.fwd_flops_per_image
+    if cfg.distill.enabled:
+        flops += teacher_flops(cfg.distill.teacher_model, cfg.model.img_size or 224)
+    return flops
+
+
+def loader_cores(cfg, cpus_per_gpu: float) -> float:
+    """The cores a rank's loader can use: its CPUs, at most ``data.num_workers`` of them (0: the main process)."""
+    return min(cpus_per_gpu, max(1, cfg.data.num_workers))
+
+
 def _row(cfg, facts: ModelFacts, layout: Layout, nodes: int, g: int, gpu: str, mfu: float, links: Links,
          cpus_per_gpu: float | None) -> dict:
     world, c = nodes * g, (4 if cfg.parallel.precision == "fp32" else 2)
@@ -450,14 +481,18 @@ def _row(cfg, facts: ModelFacts, layout: Layout, nodes: int, g: int, gpu: str, m
     fixed = sum(st.values())
     fit = int((budget - fixed) // act) if budget > fixed else 0
     micro = accum = None
+    want = cfg.data.micro_batch_size  # the recipe's, when it names one: that, if it fits
     if per_rank is not None and fit > 0:
-        micro = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and d <= fit)
-        accum = per_rank // micro
+        if want is None:
+            micro = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and d <= fit)
+        elif per_rank % want == 0 and want <= fit:
+            micro = want
+        accum = per_rank // micro if micro else None
     images = per_rank if per_rank is not None else global_batch / world
-    compute_s = 3 * facts.fwd_flops_per_image * images / (GPUS[gpu].peak_tflops * 1e12 * mfu)
+    compute_s = train_flops_per_image(cfg, facts, p) * images / (GPUS[gpu].peak_tflops * 1e12 * mfu)
     comm = communication(step_collectives(p, facts, nodes, g, accum or 1, device), links, compute_s, accum or 1)
     ms, _ = loader_ms_per_image(cfg)
-    loader_s = images * ms / (cpus_per_gpu * 1000) if cpus_per_gpu else None
+    loader_s = images * ms / (loader_cores(cfg, cpus_per_gpu) * 1000) if cpus_per_gpu else None
     step_s = max(compute_s + comm["exposed_s"], loader_s or 0.0)
     shares = {"compute": compute_s, "communication": comm["exposed_s"], "loader": loader_s or 0.0}
     steps = cfg.schedule.epochs * math.floor(IMAGENET_TRAIN * cfg.data.subset_fraction / global_batch)
@@ -492,14 +527,17 @@ def loader_check(cfg, gpu: str, cpus_per_gpu: float, mfu: float = 0.4, world: in
     """Images/s per GPU the training step's compute needs against what the loader gives from ``cpus_per_gpu`` cores.
 
     The augmentation runs where a CUDA run would put it (``data.augment_on``, auto = the device when it supports
-    the recipe); the loader's rate is ``cpus_per_gpu`` x 1000 / its CPU ms per image."""
+    the recipe); the loader's rate is ``loader_cores`` (the CPUs, at most ``data.num_workers``) x 1000 / its CPU ms
+    per image."""
     c = 4 if cfg.parallel.precision == "fp32" else 2
     facts = model_facts(cfg, c)
     global_batch = cfg.data.global_batch_size
-    step_s = 3 * facts.fwd_flops_per_image * global_batch / (world * GPUS[gpu].peak_tflops * 1e12 * mfu)
+    flops = train_flops_per_image(cfg, facts, cfg.parallel)
+    step_s = flops * global_batch / (world * GPUS[gpu].peak_tflops * 1e12 * mfu)
     need = global_batch / world / step_s
     ms, where = loader_ms_per_image(cfg)
-    give = cpus_per_gpu * 1000 / ms
+    give = loader_cores(cfg, cpus_per_gpu) * 1000 / ms
     return {"gpu_images_per_s": need, "loader_images_per_s": give, "cpu_ms_per_image": ms, "augment_on": where,
-            "format": cfg.data.format, "cpus_per_gpu": cpus_per_gpu, "step_s": step_s,
+            "format": cfg.data.format, "cpus_per_gpu": cpus_per_gpu, "loader_cores": loader_cores(cfg, cpus_per_gpu),
+            "step_s": step_s,
             "bottleneck": "loader" if give < need else "gpus"}

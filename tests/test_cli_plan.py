@@ -73,7 +73,7 @@ def test_the_multi_node_slurm_jobs_run_the_recommended_layout(capsys):
     planner recommends: its recipe's own; `plan --slurm-jobs` lists them all."""
     assert main(["plan", "--slurm-jobs", "--gpu", "h200-141gb"]) == 0
     out = capsys.readouterr().out
-    assert "The Slurm jobs on h200-141gb" in out and "the teacher's forward is not in the compute" in out
+    assert "The Slurm jobs on h200-141gb" in out and "the teacher's forward is not in the compute" not in out
     jobs = [j for j in slurm_jobs() if j.nodes > 1 and j.recipe.startswith(("recipes/table1/", "recipes/table4/"))]
     assert len(jobs) == 8 and {j.nodes for j in jobs} == {2, 4}
     assert all(j.path.name in out for j in slurm_jobs())
@@ -99,3 +99,10 @@ def test_a_job_shape_the_launcher_refuses_is_refused_with_the_node_counts_that_w
     assert err[0].endswith("node counts that work with 8 GPUs per node: 1, 2, 4") and "recommended" not in captured.out
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", "2", "--gpus-per-node", "8",
                  "--gpu", "h200-141gb"]) == 0
+
+
+def test_slurm_jobs_table_from_any_folder(tmp_path, monkeypatch, capsys):
+    """Before: the scripts' recipes were read relative to the current folder, so only the checkout's root worked."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--slurm-jobs", "--gpu", "h200-141gb"]) == 0
+    assert "convit_base_plus.sh" in capsys.readouterr().out

@@ -149,11 +149,33 @@ def test_loader_check_names_the_slower_side():
     assert few["cpu_ms_per_image"] == LOADER_CPU_MS_PER_IMAGE[(cfg.data.format, "device")]
     assert math.isclose(few["loader_images_per_s"], 2 * 1000 / few["cpu_ms_per_image"])
     assert few["loader_images_per_s"] < few["gpu_images_per_s"] and few["bottleneck"] == "loader"
-    many = loader_check(cfg, "h200-141gb", cpus_per_gpu=10_000)
+    capped = loader_check(cfg, "h200-141gb", cpus_per_gpu=10_000)  # the recipe's 8 workers use 8 of them
+    assert math.isclose(capped["loader_images_per_s"], 8 * 1000 / few["cpu_ms_per_image"]) and cfg.data.num_workers == 8
+    wide = load_config("recipes/table1/convit_tiny.yaml", ["data.num_workers=10000"])
+    many = loader_check(wide, "h200-141gb", cpus_per_gpu=10_000)
     assert many["gpu_images_per_s"] == few["gpu_images_per_s"] and many["bottleneck"] == "gpus"
     # what a CUDA run cannot augment on the device stays on the CPU: more CPU time per image
     cpu = loader_check(load_config("recipes/table1/convit_tiny.yaml", ["data.augment_on=cpu"]), "h200-141gb", 2)
     assert cpu["augment_on"] == "cpu" and cpu["cpu_ms_per_image"] > few["cpu_ms_per_image"]
+
+
+def test_plan_follows_the_recipes_micro_batch_checkpointing_and_teacher():
+    """Before: plan took data.micro_batch_size and activation checkpointing's recompute as overrides and ignored
+    them, and left Table 4's teacher out of the compute."""
+    base = load_config("recipes/table1/convit_small_plus.yaml")
+    (row,) = [r for r in plan(base, 1, 8, "h200-141gb", layouts=["fsdp2"])]
+    micro = load_config("recipes/table1/convit_small_plus.yaml", ["data.micro_batch_size=16"])
+    (m,) = plan(micro, 1, 8, "h200-141gb", layouts=["fsdp2"])
+    assert (m["micro_batch"], m["grad_accumulation"]) == (16, 4) != (row["micro_batch"], row["grad_accumulation"])
+    ckpt = load_config("recipes/table1/convit_small_plus.yaml", ["parallel.activation_checkpointing=true"])
+    (c,) = plan(ckpt, 1, 8, "h200-141gb", layouts=["fsdp2"])
+    assert math.isclose(c["compute_s"], row["compute_s"] * 4 / 3) and c["activations_gib"] < row["activations_gib"]
+    distilled = load_config("recipes/table4/convit_small_plus_distilled.yaml")
+    (d,) = plan(distilled, 1, 8, "h200-141gb", layouts=["fsdp2"])
+    from convit_scale.planner import teacher_flops
+
+    assert teacher_flops("regnety_160", 224) > 30e9  # RegNetY-16GF: 16 G multiply-adds
+    assert d["compute_s"] > 1.4 * row["compute_s"]  # about half again for ConViT-S+
 
 
 def test_plan_command_warns_when_the_loader_is_slower(capsys, monkeypatch):
@@ -166,6 +188,11 @@ def test_plan_command_warns_when_the_loader_is_slower(capsys, monkeypatch):
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "100000")
     assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
                  "1"]) == 0
+    out = capsys.readouterr().out  # 8 workers of 100000 cores: the remedy is the recipe's num_workers, not its format
+    assert "or data.num_workers=100000 (the recipe's 8 use fewer cores)" in out
+    assert "data.format=ffcv" not in out and "data.augment_on=device" not in out
+    assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
+                 "1", "data.num_workers=100000"]) == 0
     out = capsys.readouterr().out
     assert "100000 CPU cores per GPU" in out
     assert "the GPUs are slower than the loader" in out and "warning" not in out

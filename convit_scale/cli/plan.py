@@ -100,6 +100,11 @@ def _print_plan(cfg, args, nodes: int, gpus: int, links, cpus) -> None:
              f"{cfg.parallel.precision}, MFU {args.mfu:.0%} (estimates)")
     _memory_table(rows, f"Memory per GPU (GiB): {title}")
     _time_table(rows, f"Time per step (ms): {title}")
+    extra = [x for x, on in (("+1 forward (activation checkpointing)", cfg.parallel.activation_checkpointing),
+                             (f"+ the teacher's forward ({cfg.distill.teacher_model})", cfg.distill.enabled)) if on]
+    print(f"time: compute = 3 x forward FLOPs{' ' + ' '.join(extra) if extra else ''} at an assumed MFU of "
+          f"{args.mfu:.0%} of the GPU's peak (--mfu; `convit-scale bench mfu` measures it on the GPU); the hours leave "
+          f"out evaluation, checkpoints, start-up and queueing")
     world = nodes * gpus
     if cfg.data.global_batch_size % world:
         print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
@@ -182,11 +187,19 @@ def _print_loader(cfg, args, world: int, cpus: float | None, cpus_from: str) -> 
         return
     lc = loader_check(cfg, args.gpu, cpus, args.mfu, world)
     print(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (compute {lc['step_s']:.3f} s per step); "
-          f"{cpus:g} CPU cores per GPU ({cpus_from}) give {lc['loader_images_per_s']:,.0f} images/s "
+          f"{cpus:g} CPU cores per GPU ({cpus_from}), {lc['loader_cores']:g} for data.num_workers = "
+          f"{cfg.data.num_workers}, give {lc['loader_images_per_s']:,.0f} images/s "
           f"({lc['format']}, {lc['cpu_ms_per_image']:.2f} CPU ms per image, augmentation on the {lc['augment_on']})")
     if lc["bottleneck"] == "loader":
+        remedies = ["more CPU cores per GPU"]
+        if cfg.data.num_workers < cpus:
+            remedies.append(f"data.num_workers={int(cpus)} (the recipe's {cfg.data.num_workers} use fewer cores)")
+        if cfg.data.format != "ffcv":
+            remedies.append("data.format=ffcv")
+        if lc["augment_on"] != "device":
+            remedies.append("data.augment_on=device")
         print(f"warning: the loader is slower than the GPUs ({lc['loader_images_per_s'] / lc['gpu_images_per_s']:.2f}x "
-              f"of what they need): more CPU cores per GPU, data.format=ffcv, or data.augment_on=device")
+              f"of what they need): {', or '.join(remedies)}")
     else:
         print("the GPUs are slower than the loader: it is not the bottleneck")
 
@@ -195,7 +208,7 @@ def _slurm_jobs_table(args, links) -> int:
     """One row per Slurm script: its job's shape, the layout it runs and the planner's, with that layout's figures."""
     from rich.table import Table
 
-    from ..config import load_config
+    from ..config import find_recipe, load_config
     from ..console import print_table
     from ..planner import plan, recommend
 
@@ -203,14 +216,11 @@ def _slurm_jobs_table(args, links) -> int:
     for col in ("script", "nodes x GPUs", "layout (recipe)", "recommended", "compute ms", "comm ms", "exposed ms",
                 "loader ms", "bound by", "step ms", "wall-clock h", "GPU-hours"):
         t.add_column(col, justify="left" if col in ("script", "layout (recipe)", "recommended") else "right")
-    distilled = []
     for job in slurm_jobs():
-        cfg = load_config(job.recipe, args.overrides)
+        cfg = load_config(find_recipe(job.recipe), args.overrides)  # from any folder: the shipped recipe
         cpus, _ = cpus_per_gpu(args.cpus_per_gpu, job)
         rows = plan(cfg, job.nodes, job.gpus_per_node, args.gpu, args.mfu, links=links, cpus_per_gpu=cpus)
         best, own = recommend(rows), next(r for r in rows if r["recipe_layout"])
-        if cfg.distill.enabled:
-            distilled.append(job.path.name)
         t.add_row(job.path.name, f"{job.nodes} x {job.gpus_per_node}", own["layout"],
                   "none fits" if best is None else ("same" if best is own else best["layout"]),
                   *(["-"] * 8 if best is None else
@@ -218,8 +228,6 @@ def _slurm_jobs_table(args, links) -> int:
                      best["bound_by"], _ms(best["step_s"]), f"{best['wall_clock_h']:.1f}", f"{best['gpu_hours']:.0f}"]))
     print_table(t)  # folded to the terminal's width, names whole
     _print_links(args.gpu, links)
-    if distilled:
-        print(f"note: {', '.join(distilled)}: the teacher's forward is not in the compute")
     return 0
 
 
