@@ -7,7 +7,11 @@
 #   OVERRIDES     extra dotted overrides, space separated (e.g. "parallel.strategy=zero3 data.num_workers=10")
 #   LAUNCHER      srun (default: one task per GPU) or torchrun (one torchrun per node, static rendezvous;
 #                 needs a torch whose torchrun has --signals-to-handle, torch 2.9 and later)
-#   PYTHON        interpreter (default .venv/bin/python, else python3)
+#   PYTHON        the ranks' interpreter (default .venv/bin/python, else python3); the checks before training run it
+#                 in a one-task srun step (inside the site's container, with SRUN_ARGS), not in the batch shell
+#   HOST_PYTHON   the batch shell's interpreter for the fault bookkeeping (convit_scale.faults: the standard library
+#                 alone, from this checkout; default PYTHON where the batch shell has it, else python3): the host
+#                 needs no torch
 #   SITE_SCRIPT   site settings sourced first (default slurm/site.sh when it exists; see slurm/site.example.sh):
 #                 modules, NCCL_*/GLOO_* (passed to every rank), SRUN_ARGS (options for the srun steps, e.g. a
 #                 container), and any of these variables
@@ -53,6 +57,23 @@ if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
 fi
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+HOST_PY=${HOST_PYTHON:-$PY}
+command -v "$HOST_PY" >/dev/null 2>&1 || HOST_PY=python3
+# The Python work before training (the recipe's checks) runs where the ranks run: a one-task srun step, inside the
+# site's container (SRUN_ARGS) with its torch; outside an allocation, here.
+where_ranks_run() {
+    if [ -n "${SLURM_JOB_ID:-}" ]; then
+        # shellcheck disable=SC2086
+        srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=1 $SRUN_ARGS "$@"
+    else
+        "$@"
+    fi
+}
+# The fault bookkeeping between steps runs in this shell: the standard library alone, from this checkout.
+faults() {
+    PYTHONPATH="$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PY" -m convit_scale.faults "$@"
+}
 if [ -z "${RECIPE:-}" ]; then
     echo "error: RECIPE is not set; allowed: a recipe file, e.g. RECIPE=recipes/table3/convit_small_plus_b_full.yaml sbatch slurm/train.sh" >&2
     exit 2
@@ -67,7 +88,9 @@ if [ -n "${OUTPUT_DIR:-}" ]; then
     OUT=$OUTPUT_DIR
     out_note="OUTPUT_DIR"
 else
-    OUT=$("$PY" -m convit_scale.cli config --recipe "$RECIPE" --get run.output_dir "${args[@]}") || exit 2
+    # (the last line, without the task label a site's SRUN_ARGS=--label puts before it)
+    OUT=$(where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --get run.output_dir "${args[@]}" \
+        | sed -E 's/^[0-9]+: //' | tail -n 1) || exit 2
     out_note="the recipe's run.output_dir"
 fi
 args=("run.output_dir=$OUT" "${args[@]}")
@@ -110,12 +133,12 @@ if [ "$LAUNCHER" = torchrun ]; then
     # Slurm's pre-timeout signal reaches torchrun, not its ranks (they run in their own sessions).
     # torchrun forwards USR1 only when told to (--signals-to-handle, torch 2.9 and later): an older one dies
     # of it and takes the ranks with it, unsaved. Test for the option, not for a version.
-    tv=$("$PY" -c "import sys
+    tv=$(where_ranks_run "$PY" -c "import sys
 from torch.distributed.run import get_args_parser
 import torch
 opts = {o for a in get_args_parser()._actions for o in a.option_strings}
 print(torch.__version__, '--shutdown-timeout' in opts)
-sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null)
+sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null | sed -E 's/^[0-9]+: //' | tail -n 1)
     case $? in
         0) ;;
         3) echo "error: LAUNCHER=torchrun needs torchrun --signals-to-handle (torch>=2.9) to forward Slurm's USR1 to the ranks; torch ${tv%% *} lacks it: use LAUNCHER=srun or a newer torch" >&2
@@ -132,7 +155,8 @@ fi
 # (sbatch --nodes=2-4) runs, and resumes any checkpoint of the run, on any count of nodes whose ranks divide them;
 # only the speed changes (the same global batch: a larger micro-batch or more accumulation per GPU). A count that
 # does not divide them is refused here with the allowed world sizes, before srun, and the job is not requeued.
-"$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" "${args[@]}" | sed 's/^/   /' \
+where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" "${args[@]}" \
+    | sed 's/^/   /' \
     || { echo "error: recipe refused"; exit 2; }
 
 # A marker left by an earlier run must not requeue this one: only a marker written by this step counts.
@@ -205,7 +229,7 @@ STEP_LOG="$OUT/hangs/last_step.err"
 attempt=0
 while :; do
     clear_marker
-    "$PY" -m convit_scale.faults start --out "$OUT" --job "${SLURM_JOB_ID:-}" --restart "${SLURM_RESTART_COUNT:-0}" \
+    faults start --out "$OUT" --job "${SLURM_JOB_ID:-}" --restart "${SLURM_RESTART_COUNT:-0}" \
         --nodes "$JOB_NODES"
     : > "$STEP_LOG"
     run_training 2> >(tee -a "$STEP_LOG" >&2)
@@ -233,7 +257,7 @@ while :; do
     case $rc in 0 | 2 | 3 | 75) echo "== training exited with status $rc"; exit $rc ;; esac
     # An unplanned failure (a crash, an OOM, a hang ended by the watchdog, a lost node): one line and a record in
     # $OUT/faults.jsonl, then a restart from the newest checkpoint if the run made progress since this start.
-    action=$("$PY" -m convit_scale.faults end --out "$OUT" --rc "$rc" --log "$STEP_LOG" --nodes "$JOB_NODES" \
+    action=$(faults end --out "$OUT" --rc "$rc" --log "$STEP_LOG" --nodes "$JOB_NODES" \
         --max-restarts "$MAX_RESTARTS") || action=stop
     case $action in
         restart)

@@ -15,9 +15,10 @@
 # export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0
 # export NCCL_IB_HCA=mlx5 NCCL_DEBUG=WARN
 
-# A container (enroot/pyxis): extra options for every srun step of the scripts. The steps run PYTHON inside it; the
-# checks before the training step (the recipe, torchrun's options) run PYTHON in the batch shell, so PYTHON must
-# also work there (a small venv beside the image, or the same path mounted).
+# A container (enroot/pyxis): extra options for every srun step of the scripts. The steps run PYTHON inside it, the
+# checks before training (the recipe, torchrun's options) too, in a one-task step; the batch shell runs only the
+# fault bookkeeping between steps (standard library, HOST_PYTHON, default python3 where PYTHON is not on the host):
+# the host needs no torch.
 # SRUN_ARGS="--container-image=/shared/images/convit-scale.sqsh --container-mounts=/data:/data,$PWD:$PWD --container-workdir=$PWD"
 # PYTHON=python3
 

@@ -62,3 +62,24 @@ def test_cka_of_a_resnet_with_itself_is_one_on_the_diagonal():
     batches = [(torch.randn(8, 3, 32, 32), None) for _ in range(2)]
     m = cka_matrix(cnn, cnn, batches)
     assert m.shape == (4, 4) and torch.allclose(m.diagonal(), torch.ones(4, dtype=m.dtype), atol=1e-6)
+
+
+def test_training_curves_from_a_run_folder_beside_the_papers_top1(tmp_path):
+    """Loss and lr against the step, top-1/top-5 against the epoch, the paper's top-1 from the run's config.yaml; a
+    bad step (loss null) is left out of the curve."""
+    import json
+
+    from convit_scale.analysis import plots
+    from convit_scale.analysis.report import curves
+
+    recs = [{"kind": "train", "step": s, "epoch": s // 10, "loss": 2.0 - s / 100, "lr": 1e-4 * s} for s in range(1, 31)]
+    recs[4]["loss"] = None
+    recs += [{"kind": "eval", "step": 10 * e, "epoch": e - 1, "top1": 20.0 * e, "top5": 50.0 + 10 * e}
+             for e in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "config.yaml").write_text("paper: {table: '1', row: ConViT-S, top1: 81.3}\n")
+    c = curves(tmp_path)
+    assert len(c["step"]) == 29 and 5 not in c["step"] and c["lr"][0] == 1e-4
+    assert (c["eval_epoch"], c["top1"], c["paper_top1"]) == ([0, 1, 2], [20.0, 40.0, 60.0], 81.3)
+    path = plots.training_curves(c, tmp_path / "training_curves.png")
+    assert path.stat().st_size > 5000

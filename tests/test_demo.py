@@ -18,7 +18,7 @@ def test_demo_pipeline_small(tmp_path):
     evals = records(out / "train", "eval")
     assert evals and evals[-1]["samples"] == 100
     for png in ("gating", "nonlocality", "attention_maps", "attention_distance", "cka_self", "gating_history",
-                "nonlocality_history"):
+                "nonlocality_history", "training_curves"):
         assert (out / "analysis" / f"{png}.png").stat().st_size > 1000, png
     assert "convit-scale demo" in res.stdout and "top-1 / top-5" in res.stdout
     # the analysis sees the validation images as the run's evaluation did (the recipe's whole-image view)

@@ -78,7 +78,7 @@ def test_each_inline_command_names_real_options(text):
 @pytest.mark.parametrize("line", SLURM_LINES)
 def test_each_slurm_line_names_a_script_and_recipe_that_exist(line):
     words = shlex.split(line.replace("$((", "").replace("))", ""))
-    scripts = [w for w in words if w.startswith("slurm/")]
+    scripts = [w.rstrip(")") for w in words if w.startswith("slurm/")]  # job=$(... sbatch --parsable slurm/x.sh)
     assert len(scripts) == 1 and (REPO / scripts[0]).is_file(), line
     for word in words:
         if word.startswith("RECIPE="):

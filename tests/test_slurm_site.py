@@ -28,6 +28,8 @@ def _bash(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
     ("prep.sh", {"SRC": "s", "OUT": "o"}, "error: FORMAT= is not allowed; allowed: ffcv or wds"),
     ("prep.sh", {"FORMAT": "ffcv", "OUT": "o"}, "error: SRC is not set"),
     ("prep.sh", {"FORMAT": "wds", "SRC": "s", "OUT": "o", "VERIFY": "yes"}, "error: VERIFY=yes is not allowed"),
+    ("eval.sh", {"DATA_DIR": "d"}, "error: CHECKPOINT is not set; e.g. CHECKPOINT=runs/table1/convit_base_plus:best"),
+    ("eval.sh", {"CHECKPOINT": "c"}, "error: DATA_DIR is not set"),
 ])
 def test_scripts_refuse_missing_settings_before_anything_runs(script, env, error, tmp_path):
     res = _bash(script, tmp_path, **env)
@@ -50,14 +52,19 @@ def test_every_shipped_recipe_has_a_run_folder_of_its_own():
 def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, fm_tree, tmp_path):
     """No OUTPUT_DIR: the run folder is the recipe's run.output_dir (it was runs/<job name>, where a Table 3
     recipe submitted with a Table 1 script found Table 1's checkpoints). The site file's exported network settings
-    reach every rank (gloo really binds to GLOO_SOCKET_IFNAME=lo here) and its SRUN_ARGS reach the step."""
+    reach every rank (gloo really binds to GLOO_SOCKET_IFNAME=lo here) and its SRUN_ARGS reach the step. The batch
+    shell's Python cannot import torch (a container site's host): the checks before training run in an srun step."""
     out = tmp_path / "runs" / "table3" / "b_10pct"
     recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"max_steps": 2})
     seen = tmp_path / "ranks.txt"
+    notorch = tmp_path / "notorch"
+    notorch.mkdir()
+    (notorch / "torch.py").write_text("raise ImportError('no torch in the batch shell')\n")
     wrapper = tmp_path / "python.sh"  # PYTHON: records what each process of a step was given, then runs python
-    wrapper.write_text(f"#!/bin/bash\n[ -n \"${{SLURM_STEP_ID:-}}\" ] && echo \"step=$SLURM_STEP_ID "
+    wrapper.write_text(f"#!/bin/bash\nif [ -n \"${{SLURM_STEP_ID:-}}\" ]; then echo \"step=$SLURM_STEP_ID "
                        f"rank=$SLURM_PROCID gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}}\" >> {seen}\n"
-                       f"exec {VENV_PY} \"$@\"\n")
+                       f"exec {VENV_PY} \"$@\"; fi\n"
+                       f"PYTHONPATH={notorch}${{PYTHONPATH:+:$PYTHONPATH}} exec {VENV_PY} \"$@\"\n")
     wrapper.chmod(0o755)
     site = tmp_path / "site.sh"
     site.write_text(f"export GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo\nSRUN_ARGS=--label\nPYTHON={wrapper}\n")
@@ -66,9 +73,19 @@ def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, 
                        env={"RECIPE": str(recipe), "SITE_SCRIPT": str(site), "MASTER_ADDR": "127.0.0.1",
                             # a lone rank's variables in the submitting shell (sbatch exports them) are not the ranks'
                             "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cwd=REPO)
+    # slurm/eval.sh chained to it: the run's best checkpoint, evaluated once training has ended well
+    eval_log = tmp_path / "eval.out"
+    evaluation = slurm.sbatch(f"--dependency=afterok:{job}", *CPU_SBATCH, f"--output={eval_log}",
+                              str(REPO / "slurm" / "eval.sh"), cwd=REPO,
+                              env={"CHECKPOINT": f"{out}:best", "DATA_DIR": str(fm_tree), "SITE_SCRIPT": str(site)})
     info = slurm.wait_job(job, timeout=300)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert slurm.wait_job(evaluation, timeout=300)["JobState"] == "COMPLETED", eval_log.read_text()[-3000:]
+    result = json.loads((out / "eval-b_10pct-best.json").read_text())
+    best = max(records(out, "eval"), key=lambda e: e["top1"])
+    assert result["images"] == 200 and result["top1"] == pytest.approx(best["top1"])
+    assert result["checkpoint"] == str(out / "checkpoints" / "best") and result["view_from"] == "the checkpoint's"
     assert f"output {out} (the recipe's run.output_dir)" in text
     assert f"== site settings: {site}; srun options: --label" in text
     assert "== network settings passed to the ranks: GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo" in text

@@ -111,6 +111,26 @@ def nonlocality_history(hist: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def training_curves(curves: dict, path: Path) -> Path:
+    """Training loss and learning rate against the step, top-1 against the epoch, beside the paper's top-1 where the
+    recipe names it (dashed)."""
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    axes[0].plot(curves["step"], curves["loss"], lw=0.8)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss")
+    axes[1].plot(curves["step"], curves["lr"], lw=0.8)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("learning rate")
+    axes[2].plot(curves["eval_epoch"], curves["top1"], marker="o", ms=3, label="top-1")
+    axes[2].plot(curves["eval_epoch"], curves["top5"], marker="o", ms=3, label="top-5")
+    if curves.get("paper_top1") is not None:
+        axes[2].axhline(curves["paper_top1"], ls="--", c="grey", label=f"paper {curves['paper_top1']:g}")
+    axes[2].set_xlabel("epoch")
+    axes[2].set_ylabel("validation accuracy (%)")
+    axes[2].legend(fontsize=7)
+    return _save(fig, path)
+
+
 def sample_efficiency(table: dict, path: Path) -> Path:
     """Top-1 against the fraction of training data, one line per model (Table 2 as a figure)."""
     fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 from timm.models import get_pretrained_cfg_value, is_model
 from torch import nn
 
@@ -145,6 +146,19 @@ def history(run_dir: Path) -> dict:
             "nonlocality": [r["nonlocality"] for r in recs]}
 
 
+def curves(run_dir: Path) -> dict:
+    """Loss and learning rate per logged step, top-1/top-5 per evaluated epoch, and the paper's top-1 of the run's
+    recipe (its config.yaml), from a run folder."""
+    train = [r for r in read_records(run_dir, "train") if r.get("loss") is not None]
+    evals = read_records(run_dir, "eval")
+    paper = None
+    if (run_dir / "config.yaml").is_file():
+        paper = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("paper", {}).get("top1")
+    return {"step": [r["step"] for r in train], "loss": [r["loss"] for r in train], "lr": [r["lr"] for r in train],
+            "eval_epoch": [r["epoch"] for r in evals], "top1": [r["top1"] for r in evals],
+            "top5": [r["top5"] for r in evals], "paper_top1": paper}
+
+
 def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None, run_dir: Path | None = None,
             names: tuple[str, str] = ("model", "compare"), query_patch: int | None = None, masking_data=None,
             masking_specs: list[str] | None = None) -> dict:
@@ -191,6 +205,9 @@ def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None,
         if hist["epoch"]:
             files += [plots.gating_history(hist, out / "gating_history.png"),
                       plots.nonlocality_history(hist, out / "nonlocality_history.png")]
+        result["curves"] = curves(run_dir)
+        if result["curves"]["step"]:
+            files.append(plots.training_curves(result["curves"], out / "training_curves.png"))
     result["files"] = [str(f) for f in files]
     (out / "analysis.json").write_text(json.dumps(result, indent=1))
     return result

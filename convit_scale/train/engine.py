@@ -77,6 +77,7 @@ def train(cfg: Config) -> str:
         outcome = _outcome(e)
         if collective_failure(e):  # the others' stacks before the launcher ends them: where the culprit was
             watch.request_stacks(f"a collective failed on it: {outcome[len('failed: '):][:200]}")
+            watch.stop(outcome)  # its own watchdog must not report a hang of this rank while it waits for them
             time.sleep(2 * watch.tick + 0.5)
         raise
     finally:
