@@ -33,7 +33,8 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default in (None, False, argparse.SUPPRESS) or "default" in text or isinstance(default, bool)
+        # identity, not equality: a default of 0 (prep wds --seed) is shown; 0 == False
+        if (default is None or default is argparse.SUPPRESS or "default" in text or isinstance(default, bool)
                 or action.nargs in ("*", "+") and default == []):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"

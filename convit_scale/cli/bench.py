@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: fp32 for inference (Table 1's speed column), else bf16 on a GPU and fp32 on the CPU")
-    p.add_argument("--batch", type=positive_int,
+    p.add_argument("--batch-size", "--batch", dest="batch", type=positive_int,
                    help="images per step (default model: 8, distill: 4, mfu: 64, inference: 128)")
     p.add_argument("--steps", type=positive_int, default=3, help="model, distill, mfu: timed steps per round")
     p.add_argument("--rounds", type=positive_int, default=2,

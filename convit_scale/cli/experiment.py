@@ -47,7 +47,7 @@ def register(sub) -> None:
     p.add_argument("--loader", default="wds", choices=["wds", "ffcv", "imagefolder"], help="data loader")
     p.add_argument("--strategy", default="fsdp2", choices=["fsdp2", "ddp", "zero1", "zero2", "zero3"],
                    help="parallel.strategy of the training run")
-    p.add_argument("--nproc", type=positive_int, default=None,
+    p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=positive_int, default=None,
                    help="training processes (default: every GPU where present, else 2 CPU processes)")
     p.add_argument("--epochs", type=positive_int, help="override the demo recipe's epochs")
     p.add_argument("--train-per-class", type=positive_int, default=6000,
@@ -70,7 +70,8 @@ def register(sub) -> None:
                    help="epochs at f = 1 (each f trains base/f epochs)")
     p.add_argument("--train-per-class", type=positive_int, default=1000, help="Fashion-MNIST train images per class")
     p.add_argument("--val-per-class", type=positive_int, default=200, help="Fashion-MNIST val images per class")
-    p.add_argument("--nproc", type=positive_int, default=1, help="processes per training run")
+    p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=positive_int, default=1,
+                   help="processes per training run")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="training runs at a time, the cores split between them (2 on 2 cores: one run per core)")
     p.set_defaults(func=_cmd_experiment)
