@@ -56,6 +56,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -443,8 +444,6 @@ def teacher_flops(name: str, img_size: int) -> int:
     """FLOPs of a timm teacher's forward of one image (Table 4's RegNetY-16GF), counted on the meta device."""
     key = (name, img_size)
     if key not in _TEACHER_FLOPS:
-        import timm
-
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False).eval()
         with FlopCounterMode(display=False) as counter, torch.no_grad():
