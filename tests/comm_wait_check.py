@@ -9,6 +9,7 @@ same wait fails on rank 1 (the defect the patient group exists for). Each rank w
 
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,3 +37,11 @@ try:
 except RuntimeError as e:
     result["default"] = f"error after {time.time() - t0:.1f} s: {str(e)[:200]}"
 (out / f"rank{rank}.json").write_text(json.dumps(result))
+# Rank 1's wait timed out: torchrun ends every rank once one exits with an error, and tearing down a group after a
+# timed-out collective may abort. Rank 1 waits for rank 0's result before both leave without the teardown.
+if rank == 1:
+    deadline = time.time() + 60
+    while not (out / "rank0.json").is_file() and time.time() < deadline:
+        time.sleep(0.1)
+sys.stdout.flush()
+os._exit(0)

@@ -12,6 +12,7 @@ def test_a_patient_group_waits_past_the_process_groups_timeout(tmp_path):
     receives its result; waiting in the process group itself, it fails after the timeout."""
     res = subprocess.run(torchrun_cmd(2, str(REPO / "tests" / "comm_wait_check.py"), str(tmp_path)), cwd=REPO,
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert all((tmp_path / f"rank{r}.json").is_file() for r in range(2)), res.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["patient"] for r in ranks] == ["converted", "converted"], (ranks, res.stderr[-2000:])
     assert ranks[1]["default"].startswith("error after"), ranks
