@@ -30,6 +30,13 @@ def _bash(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
     ("prep.sh", {"FORMAT": "wds", "SRC": "s", "OUT": "o", "VERIFY": "yes"}, "error: VERIFY=yes is not allowed"),
     ("eval.sh", {"DATA_DIR": "d"}, "error: CHECKPOINT is not set; e.g. CHECKPOINT=runs/table1/convit_base_plus:best"),
     ("eval.sh", {"CHECKPOINT": "c"}, "error: DATA_DIR is not set"),
+    ("array.sh", {}, "error: RECIPES= is not a folder; allowed: a folder of recipes"),
+    ("array.sh", {"RECIPES": "recipes/table3"}, "error: slurm/array.sh runs as a job array; allowed: sbatch "
+                                                "--array=0-13 slurm/array.sh (14 recipe(s) in recipes/table3)"),
+    ("array.sh", {"RECIPES": "recipes/table3", "SLURM_ARRAY_TASK_ID": "14"},
+     "error: array task 14 has no recipe: recipes/table3 holds 14; allowed: --array=0-13"),
+    ("array.sh", {"RECIPES": "recipes/table3", "SLURM_ARRAY_TASK_ID": "0", "OUTPUT_DIR": "o"},
+     "error: OUTPUT_DIR=o is not allowed with slurm/array.sh"),
 ])
 def test_scripts_refuse_missing_settings_before_anything_runs(script, env, error, tmp_path):
     res = _bash(script, tmp_path, **env)
@@ -115,3 +122,23 @@ def test_prep_sh_converts_with_the_jobs_cpus_and_verifies(slurm, fm_tree, tmp_pa
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["workers"] == 2 and manifest["options"]["shard_size"] == 300
     assert manifest["splits"]["train"]["num_samples"] == 1000
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_array_sh_runs_each_recipe_of_a_folder_as_a_task(slurm, fm_tree, tmp_path):
+    """A table's recipes as one job array: task i runs the i-th recipe by name, each in its own run folder."""
+    folder = tmp_path / "table"
+    folder.mkdir()
+    outs = [tmp_path / "runs" / name for name in ("a", "b")]
+    for out in outs:
+        tiny_recipe(folder / f"{out.name}.yaml", "imagefolder", fm_tree, out, data={"val_path": ""},
+                    schedule={"max_steps": 1})
+    job = slurm.sbatch("--array=0-1", *CPU_SBATCH, f"--output={tmp_path}/task_%a.out", str(REPO / "slurm" / "array.sh"),
+                       env={"RECIPES": str(folder), "PYTHON": VENV_PY, "MASTER_ADDR": "127.0.0.1"}, cwd=REPO)
+    for task, out in enumerate(outs):
+        info = slurm.wait_job(f"{job}_{task}", timeout=300)
+        text = (tmp_path / f"task_{task}.out").read_text()
+        assert info["JobState"] == "COMPLETED", text[-3000:]
+        assert f"== array task {task} of 2: {folder / (out.name + '.yaml')}" in text
+        assert [r["step"] for r in records(out)] == [1]
