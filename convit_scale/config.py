@@ -58,6 +58,12 @@ def closest(word: str, choices) -> str | None:
     return close[0] if close else None
 
 
+def _did_you_mean_key(word: str, names: list[str], prefix: str) -> str:
+    """`` (did you mean 'prefix.key'?)`` for a mistyped key of a section, or nothing."""
+    close = closest(word, names)
+    return f" (did you mean '{prefix}{close}'?)" if close else ""
+
+
 def find_recipe(name: str | Path) -> Path:
     """``name`` if that file exists (relative to the current directory), otherwise the shipped recipe
     of that name (see :func:`recipe_path`)."""
@@ -612,11 +618,10 @@ def explain(key: str, cfg: "Config | None" = None) -> str:
     for i, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
-            close = closest(part, names)
             where = ".".join(parts[:i]) or "the top level"
-            raise ConfigError(f"--explain {key}: no key '{part}' in {where}"
-                              + (f" (did you mean '{'.'.join([*parts[:i], close])}'?)" if close else "")
-                              + f"; allowed: {', '.join(names)}")
+            prefix = "".join(f"{p}." for p in parts[:i])
+            raise ConfigError(f"--explain {key}: no key '{part}' in {where}{_did_you_mean_key(part, names, prefix)}"
+                              f"; allowed: {', '.join(names)}")
         hint = typing.get_type_hints(cls)[part]
         if i < len(parts) - 1:
             if not dataclasses.is_dataclass(hint):
@@ -771,7 +776,7 @@ def _build(cls, data: dict, prefix: str, source: str):
         where = f"in '{prefix.rstrip('.')}'" if prefix else "at the top level"
         raise ConfigError(
             f"{source}: unknown key '{prefix}{unknown[0]}'"
-            + (f" (did you mean '{prefix}{closest(unknown[0], names)}'?)" if closest(unknown[0], names) else "")
+            + _did_you_mean_key(unknown[0], names, prefix)
             + f"; allowed keys {where}: {', '.join(names)}"
         )
     kwargs = {}
