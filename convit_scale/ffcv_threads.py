@@ -1,6 +1,7 @@
-"""How ffcv's native code uses threads, set before ffcv is first imported in a process (``configure()``).
+"""How ffcv is imported into the package: its native code's threads (``configure()``), and every change made to
+ffcv's own classes, applied in one place when it is first imported (``importing_ffcv()``).
 
-The FFCV loader's ``num_workers`` threads each decode whole batches (``ffcv._EpochIterator``) and call OpenCV's
+The FFCV loader's ``num_workers`` threads each decode whole batches (``data/ffcv_epoch.py``) and call OpenCV's
 resize from each of them. OpenCV would run every resize on a pool of its own with one thread per core: workers x
 cores threads per rank, ranks x that per node. ``OPENCV_FOR_THREADS_NUM=1`` (read when OpenCV loads, with ffcv's
 library) keeps one per worker. numba compiles the decoders serial (no ``prange``), so its threading layer is not
@@ -30,7 +31,10 @@ def importing_ffcv():
     (each rank, at every start and requeue), 0.5 s more for its first lookup. The modes are only ever read from
     Python (ffcv's ``generate_code`` and writer, and ours), never inside compiled code, so while ffcv is first
     imported ``from numba.typed import Dict`` gives a plain dict; numba's own Dict is back as soon as the import
-    ends."""
+    ends.
+
+    On its way out it applies the package's two fixes to ffcv (``_fix_ffcv``), once per process: every module that
+    imports ffcv does so inside this context, so none sees ffcv unfixed."""
     import torch
 
     configure()
@@ -47,3 +51,44 @@ def importing_ffcv():
         if plain_modes:
             del numba.typed.Dict
         torch.set_num_threads(threads)
+    _fix_ffcv()
+
+
+def _serial(cls, n: int) -> None:
+    """ffcv's ``Compiler.set_num_threads(n)`` sets numba's and torch's thread counts to n, for every Loader and
+    epoch, and makes the decoders compile with numba's prange over the batch. Here they compile serial: the loader's
+    threads run a batch each (``data/ffcv_epoch.py``), and torch's count is the training step's (OMP_NUM_THREADS)."""
+    cls.num_threads = 1
+
+
+def _fix_ffcv() -> None:
+    """Serial compilation (``_serial``), and ffcv's ``OSCacheManager`` typed without its side effect: ffcv sets
+    ``mutable = False`` on the object ``numba.uint8[::1]`` returns, which is numba's one shared type of every
+    writable uint8 vector: from then on such vectors type as read-only in the whole process, a write into one no
+    longer compiles, and numba's tables keyed by that type break (a KeyError when a second pipeline calls a
+    compiled function a first one called). Here the manager's state and reader use a read-only type of their own."""
+    from ffcv.memory_managers.os_cache import OSCacheManager
+    from ffcv.pipeline.compiler import Compiler
+
+    if getattr(Compiler, "convit_scale_fixed", False):
+        return
+    import numba
+    import numpy as np
+
+    read_only_bytes = numba.types.Array(numba.uint8, 1, "C", readonly=True)
+
+    def state_type(self):
+        return numba.types.Tuple([read_only_bytes, numba.uint64[::1], numba.uint64[::1]])
+
+    def compile_reader(self):
+        def read(address, mem_state):
+            size = mem_state[2][np.searchsorted(mem_state[1], address)]
+            return mem_state[0][address:address + size]
+
+        return Compiler.compile(read, read_only_bytes(numba.uint64, self.state_type))
+
+    Compiler.set_num_threads = classmethod(_serial)
+    Compiler.num_threads = 1
+    OSCacheManager.state_type = property(state_type)
+    OSCacheManager.compile_reader = compile_reader
+    Compiler.convit_scale_fixed = True

@@ -211,7 +211,7 @@ def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv
 
     from ffcv.reader import Reader
 
-    from convit_scale.data.ffcv import FILE_INDEX
+    from convit_scale.data.ffcv_decoders import FILE_INDEX
 
     path = tmp_path / "ffcv"
     shutil.copytree(fm_ffcv, path)

@@ -120,7 +120,7 @@ def test_decoder_threads_are_the_workers_and_torch_count_untouched(fm_ffcv):
 def test_a_batch_slot_is_never_rewritten_while_its_batch_is_alive(fm_ffcv, monkeypatch):
     """Threads that run ahead of a slow consumer, as far as their queues allow, never write a slot whose batch is
     queued or still held by the consumer (it holds the batch it took until it asks for the next)."""
-    from convit_scale.data.ffcv import _EpochIterator
+    from convit_scale.data.ffcv_epoch import EpochIterator as _EpochIterator
 
     run_pipeline, take = _EpochIterator.run_pipeline, _EpochIterator.__next__
     lock, alive, clashes = threading.Lock(), {}, []  # batch -> slot, from its start until the consumer lets it go
@@ -149,7 +149,7 @@ def test_a_batch_slot_is_never_rewritten_while_its_batch_is_alive(fm_ffcv, monke
 @pytest.mark.timeout(120)
 def test_a_failure_in_ffcvs_thread_is_raised_not_waited_for(fm_ffcv, monkeypatch):
     """ffcv's epoch thread dies with an exception (a failed compilation, a read error); the consumer raises it."""
-    from convit_scale.data.ffcv import _EpochIterator
+    from convit_scale.data.ffcv_epoch import EpochIterator as _EpochIterator
 
     run_pipeline = _EpochIterator.run_pipeline
 

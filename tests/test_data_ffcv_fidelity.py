@@ -97,7 +97,8 @@ def test_loader_pixels_are_timms_for_the_same_crop_boxes(tree, kept):
     the view's seed draws, flipped as drawn. Every kind of file, JPEG or raw, gives exactly timm's pixels."""
     from convit_scale.config import DataConfig
     from convit_scale.data import LoaderSpec, build_loader
-    from convit_scale.data.ffcv import FILE_INDEX, ID_BITS, _seeded_crop, _uniform
+    from convit_scale.data.ffcv_decoders import FILE_INDEX, ID_BITS, seeded_crop
+    from convit_scale.splitmix_numba import FLIP_DRAW, uniform
 
     d = DataConfig(format="ffcv", train_path=str(kept), val_path=str(kept), num_workers=1, repeated_aug=1)
     val = build_loader(d, LoaderSpec("val", 48, 7, augment_on_device=True))
@@ -113,9 +114,9 @@ def test_loader_pixels_are_timms_for_the_same_crop_boxes(tree, kept):
     for view, x in zip(views, images, strict=True):
         img = Image.open(files[int(view & FILE_INDEX)]).convert("RGB")
         seed = view >> ID_BITS
-        i, j, h, w = _seeded_crop(img.size[1], img.size[0], np.array(d.crop_scale), ratio, seed)
+        i, j, h, w = seeded_crop(img.size[1], img.size[0], np.array(d.crop_scale), ratio, seed)
         ref = F.resized_crop(img, i, j, h, w, [40, 40], InterpolationMode.BICUBIC)
-        if _uniform(seed, 40) < d.hflip:
+        if uniform(seed, FLIP_DRAW) < d.hflip:
             ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
         assert torch.equal(x, torch.from_numpy(np.array(ref)).permute(2, 0, 1)), (
             files[int(view & FILE_INDEX)], i, j, h, w)

@@ -5,8 +5,9 @@ The layers, from the ground up (a module imports modules of lower layers and of 
 
 1. files: atomic writes and publication (every layer writes files);
 2. leaves that import nothing of the package but files: comm, slurm_scripts (the #SBATCH reader), hardware,
-   console, metrics, augment_policy, imagetree, splitmix (the counter-based generator of the augmentation and of
-   drop-path), ffcv_threads, jpeg (shared by the loaders and data_prep/), gpu_wheels (the GPU box's wheel folder);
+   console, metrics, augment_policy, imagetree, splitmix and splitmix_numba (the counter-based generator of the
+   augmentation and of drop-path, in torch and in numba), ffcv_threads, jpeg (shared by the loaders and data_prep/),
+   gpu_wheels (the GPU box's wheel folder);
 3. the models (drop-path per sample draws from splitmix);
 4. config (the recipe);
 5. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
@@ -33,6 +34,7 @@ LAYERS = [
     ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
      "convit_scale.manifest", "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
+     "convit_scale.splitmix_numba",
      "convit_scale.gpu_wheels"],
     ["convit_scale.models"],
     ["convit_scale.config"],
@@ -187,8 +189,10 @@ workers do, does not need)."""
 
 
 def _top_imports(path: Path) -> set[str]:
+    """The imports a module runs when imported (those in a top-level ``with importing_ffcv():`` included)."""
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    body = ast.parse(path.read_text()).body
+    for node in body + [n for w in body if isinstance(w, ast.With) for n in w.body]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level:

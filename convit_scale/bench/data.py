@@ -29,7 +29,7 @@ from data_prep import PrepOptions, prepare
 from ..config import DataConfig
 from ..data import LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_batch
-from ..data.ffcv import _allocate, run_stages
+from ..data.ffcv_epoch import allocate, run_stages
 from ..ffcv_threads import importing_ffcv
 from ..hardware import usable_cpus
 from ..manifest import Manifest
@@ -183,7 +183,7 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
     batches = [order[i:i + size] for i in range(0, len(order) - size + 1, size)]
     for k in range(workers):
         if k not in buffers:
-            buffers[k] = _allocate(ffcv_loader.graph, size, 1)
+            buffers[k] = allocate(ffcv_loader.graph, size, 1)
     with ffcv_loader.memory_manager.schedule_epoch(batches) as context:
         last = {}
 

@@ -1,0 +1,220 @@
+"""FFCV's compiled stages for timm's pixels: decode, seeded crop and flip, eval view, labels, timm's augmentation.
+
+ffcv compiles each stage with numba and runs it on the loader's threads (``ffcv_epoch.py``). Each JPEG is decoded as
+PIL decodes it (``jpeg.py``), the train crop drawn from the view's seed (``splitmix_numba.py``) and resized with
+PIL's resampling (``resample.py``); a view's id carries its file index and its seed (``ID_BITS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numba
+import numpy as np
+import torch
+from PIL import Image
+
+from ..ffcv_threads import importing_ffcv
+
+with importing_ffcv():
+    from ffcv.fields.basics import IntDecoder
+    from ffcv.fields.rgb_image import IMAGE_MODES, RandomResizedCropRGBImageDecoder
+    from ffcv.pipeline.compiler import Compiler
+    from ffcv.pipeline.operation import Operation
+
+from ..jpeg import decode_rgb
+from ..splitmix_numba import FLIP_DRAW, uniform
+from .ffcv_epoch import SlotScratch
+from .private_aug import PrivateAugment
+from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
+from .transforms import MEAN, STD
+
+ID_BITS = np.uint64(32)  # a view id: the view's seed << 32 | the file index
+FILE_INDEX = np.uint64(2**32 - 1)
+REPLACED = np.uint64(2**63)  # set on a view id by the decoder when the view's JPEG failed to decode (seeds < 2**31)
+
+
+
+@numba.njit(nogil=True)
+def seeded_crop(height, width, scale, log_ratio, view_seed):
+    """ffcv's (torchvision's) RandomResizedCrop parameters (i, j, h, w), drawn from the view's seed."""
+    area = height * width
+    for attempt in range(10):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * uniform(view_seed, 4 * attempt))
+        aspect_ratio = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * uniform(view_seed, 4 * attempt + 1))
+        w = int(round(np.sqrt(target_area * aspect_ratio)))
+        h = int(round(np.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = int(uniform(view_seed, 4 * attempt + 2) * (height - h + 1))
+            j = int(uniform(view_seed, 4 * attempt + 3) * (width - w + 1))
+            return i, j, h, w
+    in_ratio = float(width) / float(height)  # fallback: the centre crop of the clamped ratio
+    w, h = int(width), int(height)
+    if in_ratio < np.exp(log_ratio[0]):
+        h = int(round(w / np.exp(log_ratio[0])))
+    elif in_ratio > np.exp(log_ratio[1]):
+        w = int(round(h * np.exp(log_ratio[1])))
+    return (int(height) - h) // 2, (int(width) - w) // 2, h, w
+
+
+@numba.njit(nogil=True)
+def _flip_in_place(img):  # (H, W, 3) uint8
+    width = img.shape[1]
+    for r in range(img.shape[0]):
+        for c in range(width // 2):
+            for ch in range(img.shape[2]):
+                t = img[r, c, ch]
+                img[r, c, ch] = img[r, width - 1 - c, ch]
+                img[r, width - 1 - c, ch] = t
+
+
+def _decode_or_next(mem_read, group: int):
+    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch) -> (height, width)``: the image of view
+    ``dst_ix`` of a batch as flat RGB bytes (``height x width x 3``) in ``scratch``, decoded as PIL decodes it
+    (``jpeg.decode_rgb``) or copied as stored (a raw image: one type of buffer for the resize to read, whatever the
+    image's mode), else, if turbojpeg refuses its JPEG, the next view of its group (cyclically: ``group`` views, the
+    canonical group in training, so the replacement is the same at any world size; 0: the whole batch) that decodes,
+    with ``REPLACED`` set on the view's id in place (the epoch's batches are views of the order FfcvLoader keeps),
+    where FfcvLoader finds it to fix the label and list it. ffcv's own decoders ignore what turbojpeg returns: a
+    corrupt JPEG silently becomes whatever the buffer held. If no view of the group decodes, the view's own size
+    over ``scratch``: FfcvLoader raises for that batch."""
+    jpg = IMAGE_MODES["jpg"]
+
+    def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch):
+        n = group if group > 0 else len(batch_indices)
+        base = dst_ix - dst_ix % n
+        own = metadata[batch_indices[dst_ix] & FILE_INDEX]
+        height, width = np.uint32(own["height"]), np.uint32(own["width"])
+        for attempt in range(n):  # the view itself, else the next one of the group that decodes
+            field = metadata[batch_indices[base + (dst_ix - base + attempt) % n] & FILE_INDEX]
+            image_data = mem_read(field["data_ptr"], storage_state)
+            src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
+            if field["mode"] != jpg:
+                scratch[:image_data.size] = image_data
+                return src_h, src_w
+            if decode_rgb(image_data, scratch, src_h, src_w) == 0:
+                return src_h, src_w
+            if attempt == 0:
+                batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
+        return height, width
+
+    return Compiler.compile(decode_or_next)
+
+
+class _TimmPixelsDecoder(RandomResizedCropRGBImageDecoder):
+    """What both decoders share: their memory (the output, one scratch row for the largest image, one for the
+    resize's horizontal pass) and their filter (``data.interpolation``, PIL's).
+
+    ffcv gives every image of every slot a scratch row (batch x the largest height x the largest width x 3 bytes
+    per slot: with the originals kept and a 4000 x 5000 largest photograph, 3.8 GB of address space per slot at
+    batch 64); here a slot has one row, and only the bytes of the images it decoded are ever touched (a JPEG decoded
+    into a cold row, then read by the resize, costs memory traffic too: BENCHMARKS.md, "FFCV loader: measurements
+    behind its design")."""
+
+    def __init__(self, output_size, interpolation: str, scale=(0.08, 1.0), group: int = 0):
+        super().__init__(output_size, scale=tuple(scale), ratio=(3 / 4, 4 / 3))
+        self.kind, self.group = FILTERS[interpolation], group
+
+    def declare_state_and_memory(self, previous_state):
+        state, (output, _) = super().declare_state_and_memory(previous_state)
+        largest = np.uint64(self.max_height) * np.uint64(self.max_width) * np.uint64(3)
+        mid = np.uint64(self.max_height) * np.uint64(self.output_size[1]) * np.uint64(3)
+        return state, (output, SlotScratch((largest,), np.dtype("<u1")), SlotScratch((mid,), np.dtype("<u1")))
+
+
+class SeededCropFlipDecoder(_TimmPixelsDecoder):
+    """Decode, RandomResizedCrop (scale ``crop_scale``, ratio 3/4-4/3) and horizontal flip in one compiled stage,
+    with the parameters drawn from the view's seed (the high bits of the id) rather than numba's unseeded generator,
+    and the crop resized as timm does (``resample.resized_crop``).
+
+    A view whose JPEG fails to decode takes the next view of its canonical group (``group`` views) that decodes
+    (``_decode_or_next``), cropped and flipped with its own seed."""
+
+    def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0), interpolation: str = "bicubic",
+                 group: int = 0):
+        super().__init__(output_size, interpolation, scale, group)
+        self.flip_prob = flip_prob
+
+    def generate_code(self):
+        decode_or_next = _decode_or_next(self.memory_read, self.group)
+        scale, log_ratio, flip_prob, kind = (np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob,
+                                             self.kind)
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
+            for dst_ix in range(len(batch_indices)):
+                view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
+                height, width = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
+                i, j, h, w = seeded_crop(height, width, scale, log_ratio, view_seed)
+                resized_crop(scratch, width, i, j, h, w, destination[dst_ix], kind, mid)
+                if uniform(view_seed, FLIP_DRAW) < flip_prob:
+                    _flip_in_place(destination[dst_ix])
+            return destination[:len(batch_indices)]
+
+        return decode
+
+
+class TimmEvalDecoder(_TimmPixelsDecoder):
+    """timm's eval view in one compiled stage: decode, resize the shorter side to ``img_size / crop_ratio`` (256 for
+    224 at 0.875), centre-crop ``img_size`` (``resample.resized_center_crop``).
+
+    A JPEG that fails to decode is handled as in training (``_decode_or_next``), and as the ImageFolder and
+    WebDataset eval loaders handle an unreadable file: FfcvLoader fixes the label, lists the view and counts it
+    against ``data.max_bad_samples``."""
+
+    def __init__(self, output_size, crop_ratio: float, interpolation: str = "bicubic"):
+        super().__init__(output_size, interpolation)
+        self.short_side = eval_short_side(output_size[0], crop_ratio)
+
+    def generate_code(self):
+        decode_or_next, short_side, kind = _decode_or_next(self.memory_read, 0), self.short_side, self.kind
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
+            for dst_ix in range(len(batch_indices)):
+                height, width = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
+                resized_center_crop(scratch, height, width, short_side, destination[dst_ix], kind, mid)
+            return destination[:len(batch_indices)]
+
+        return decode
+
+
+class ViewLabelDecoder(IntDecoder):
+    """The label of a view id (its low bits are the file index)."""
+
+    def generate_code(self):
+        def decoder(indices, destination, metadata, storage_state):
+            for ix in range(len(indices)):
+                destination[ix] = metadata[indices[ix] & FILE_INDEX]
+            return destination[:len(indices)]
+
+        return decoder
+
+
+class PrivateTimmStage(Operation):
+    """timm's RandAugment, normalisation and random erasing per view, seeded by the view (not compiled:
+    runs in ffcv's iterator thread, on private generators; see private_aug.py)."""
+
+    def __init__(self, augment: PrivateAugment, size: int):
+        super().__init__()
+        self.augment, self.size = augment, size
+
+    def generate_code(self):
+        augment = self.augment
+
+        def run(images, _, indices):  # images: (B, S, S, 3) uint8 from the decoder
+            return torch.stack([augment(Image.fromarray(img), int((view & ~REPLACED) >> ID_BITS))
+                                for img, view in zip(images, indices)])
+
+        run.with_indices = True
+        return run
+
+    def declare_state_and_memory(self, previous_state):
+        return replace(previous_state, jit_mode=False, shape=(3, self.size, self.size), dtype=torch.float32), None
+
+
+class EvalNormalize(torch.nn.Module):
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+        std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+        return (batch.float() - mean) / std
