@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU/CUDA build of torch to install when the venv has none; a cluster can point this at its own.
 TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
-# Debian packages: FFCV's build dependencies, the embedded dataset, and the local Slurm cluster of the tests.
-APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev dataset-fashion-mnist slurmctld slurmd slurm-client munge
+# Debian packages: FFCV's build dependencies, libjpeg's headers (convit_scale/_jpeg_roi.c), the embedded dataset, and
+# the local Slurm cluster of the tests.
+APT_PACKAGES := pkg-config libopencv-dev libturbojpeg0-dev libjpeg-dev dataset-fashion-mnist slurmctld slurmd slurm-client munge
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Test files run on this many pytest-xdist workers (a file per worker at a time); 0 runs them in this process.
@@ -32,10 +33,12 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(PY)
+# The C source too: pip install -e . compiles convit_scale/_jpeg_roi.c (the crop-region JPEG decoder) in place.
+$(STAMP): pyproject.toml convit_scale/_jpeg_roi.c | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PKGS)
 	$(PY) -m pip install -e ".[ffcv,test]"
 	@$(PY) -c "import ffcv, torch, timm, deepspeed, webdataset, xdist" && [ -x $(VENV)/bin/ruff ] || { echo "error: Python dependencies did not import (see above)"; exit 1; }
+	@$(PY) -c "from convit_scale import jpeg_roi; jpeg_roi.AVAILABLE or print('warning:', jpeg_roi.LIBRARY)"
 	touch $(STAMP)
 
 # DeepSpeed's CPU Adam (the optimizer of ZeRO offload) is a C++ extension that DeepSpeed compiles on first use into

@@ -10,6 +10,8 @@ thread-local storage, which compiled code cannot reach).
 turbojpeg returns -1 for an error and also for a warning (a JPEG with extraneous bytes before a marker decodes,
 with a warning): ``prep ffcv`` stores such an image as PIL decodes it instead of its bytes, so a loader never sees
 one from a prepared file.
+
+``decode_rgb_box`` decodes only a crop box (``jpeg_roi.py``), with the same pixels as ``decode_rgb`` then the crop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import ctypes.util
 
 import numba
 import numpy as np
+
+from . import jpeg_roi
 
 
 def _library() -> ctypes.CDLL:
@@ -68,3 +72,48 @@ def decode_rgb_array(data: bytes, height: int, width: int) -> np.ndarray | None:
     finally:
         _destroy(handle)
     return out if rc == 0 else None
+
+
+@numba.njit(nogil=True)
+def _box_to_front(dst, width, i, j, h, w):
+    """Move the ``h x w`` box at (``i``, ``j``) of the ``width``-wide RGB image in ``dst`` to its front, packed. Each
+    byte moves to an offset no greater than its own: a forward copy never overwrites what it has still to read."""
+    for r in range(h):
+        src, out = ((i + r) * width + j) * 3, r * w * 3
+        if src != out:
+            for k in range(w * 3):
+                dst[out + k] = dst[src + k]
+
+
+@numba.njit(nogil=True)
+def _decode_whole_box(data, dst, height, width, i, j, h, w):
+    rc = decode_rgb(data, dst, height, width)
+    if rc == 0:
+        _box_to_front(dst, width, i, j, h, w)
+    return rc
+
+
+if jpeg_roi.AVAILABLE:
+    _roi = jpeg_roi.roi_decode_rgb
+
+    @numba.njit(nogil=True)
+    def decode_rgb_box(data, dst, height, width, i, j, h, w):
+        """The ``h x w`` box at row ``i``, column ``j`` of the ``height x width`` JPEG ``data``, decoded into the first
+        ``h x w x 3`` bytes of ``dst`` (which holds the whole image), as ``decode_rgb`` then the crop give it; only
+        the box is decoded (``jpeg_roi.py``). Where the crop-region decoder refuses the data, the whole decode then
+        the crop (which refuses it too: -1)."""
+        if _roi(data.ctypes.data, data.size, dst.ctypes.data, j, i, w, h) == 0:
+            return 0
+        return _decode_whole_box(data, dst, height, width, i, j, h, w)
+else:
+    @numba.njit(nogil=True)
+    def decode_rgb_box(data, dst, height, width, i, j, h, w):
+        """``decode_rgb`` then the crop, packed at the front of ``dst`` (``jpeg_roi``'s library is not built)."""
+        return _decode_whole_box(data, dst, height, width, i, j, h, w)
+
+
+def decode_rgb_box_array(data: bytes, height: int, width: int, i: int, j: int, h: int, w: int) -> np.ndarray | None:
+    """``decode_rgb_box`` from Python, compiled: the (h, w, 3) box, or None where it returns -1."""
+    out = np.empty(height * width * 3, np.uint8)
+    rc = decode_rgb_box(np.frombuffer(data, np.uint8), out, height, width, i, j, h, w)
+    return out[:h * w * 3].reshape(h, w, 3) if rc == 0 else None

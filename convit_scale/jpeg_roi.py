@@ -1,0 +1,83 @@
+"""Decode only the crop box of a JPEG, bit for bit as the whole decode then the crop (``_jpeg_roi.c``, with ctypes).
+
+A RandomResizedCrop (scale 0.08-1) keeps about half of an image on average; decoding the whole image to throw the
+rest away costs the inverse DCT, upsampling and colour conversion of every pixel. ``_jpeg_roi.c`` decodes only the
+box's rows and the iMCU columns around it (libjpeg-turbo's jpeg_skip_scanlines and jpeg_crop_scanline, with the
+margin fancy upsampling needs), stops after its last row, and copies the box out: the same pixels as turbojpeg's
+whole decode (``jpeg.decode_rgb``) and PIL's, for baseline and progressive, 4:2:0, 4:2:2, 4:4:4 and greyscale JPEGs
+(``tests/test_jpeg_roi.py``); ``convit-scale bench data --only decode`` measures what it saves.
+
+The library is built by ``pip install -e .`` (an optional extension in pyproject.toml: it needs gcc and libjpeg's
+headers). Without it the loaders decode whole images, with the same pixels, and say so once (``warn_if_missing``).
+This module needs no numba: the WebDataset loader calls it from Python; ``jpeg.py`` calls it from compiled code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The library and its path, or None and why not."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_jpeg_roi{suffix}"
+        if path.exists():
+            try:
+                return ctypes.CDLL(str(path)), str(path)
+            except OSError as e:
+                return None, f"{path.name} does not load ({e}); rebuild it with `make setup` or pip install -e ."
+    return None, ("convit_scale/_jpeg_roi.c is not built (pip install -e . builds it; it needs gcc and libjpeg's "
+                  "headers: apt-get install libjpeg-dev)")
+
+
+_lib, LIBRARY = _load()
+AVAILABLE = _lib is not None
+"""Whether the crop-region decoder is there; ``LIBRARY`` is its path, or why it is not."""
+
+if AVAILABLE:
+    roi_decode_rgb = _lib.roi_decode_rgb  # (jpeg, size, dst, x, y, w, h) -> 0, -1 refused/warned, -2 bad box
+    roi_decode_rgb.restype = ctypes.c_int
+    roi_decode_rgb.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_int]
+    _counts = _lib.roi_decode_counts
+    _counts.restype, _counts.argtypes = None, [ctypes.c_void_p]
+
+_warned = False
+
+
+def warn_if_missing(where: str) -> bool:
+    """Log once per process why ``where`` decodes whole images; True when the library is there."""
+    global _warned
+    if not AVAILABLE and not _warned:
+        _warned = True
+        log.warning("%s: decoding whole JPEGs, then cropping (same pixels, more CPU): %s", where, LIBRARY)
+    return AVAILABLE
+
+
+def counts() -> dict:
+    """This process's crop-region decodes since start: ``decoded`` boxes and ``refused`` JPEGs (then decoded whole
+    by the caller, or failed as the whole decode fails), and the library's path (or why there is none)."""
+    out = np.zeros(2, np.uint64)
+    if AVAILABLE:
+        _counts(out.ctypes.data)
+    return {"decoded": int(out[0]), "refused": int(out[1]), "library": LIBRARY}
+
+
+def decode_box(data: bytes, i: int, j: int, h: int, w: int) -> np.ndarray | None:
+    """The ``h x w`` box at row ``i``, column ``j`` of the JPEG ``data`` as (h, w, 3) RGB uint8, or None where the
+    library is missing or refuses the data (decode it whole: the box must lie inside the image)."""
+    if not AVAILABLE:
+        return None
+    out = np.empty((h, w, 3), np.uint8)
+    rc = roi_decode_rgb(data, len(data), out.ctypes.data, j, i, w, h)
+    if rc == -2:
+        raise ValueError(f"crop box (top {i}, left {j}, {h} x {w}) outside the image")
+    return out if rc == 0 else None

@@ -1,0 +1,101 @@
+"""The crop-region decode (convit_scale/_jpeg_roi.c) gives the whole decode's pixels, then the crop, bit for bit."""
+
+import io
+import logging
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_jpeg import encode, photo_like
+
+from convit_scale import jpeg_roi
+from convit_scale.jpeg import _decode_whole_box, decode_rgb_array, decode_rgb_box, decode_rgb_box_array
+
+VARIANTS = {
+    "4:2:0 q90": dict(quality=90, subsampling=2),
+    "4:2:2 q75": dict(quality=75, subsampling=1),
+    "4:4:4 q95": dict(quality=95, subsampling=0),
+    "progressive 4:2:0": dict(quality=85, progressive=True, subsampling=2),
+    "restart markers": dict(quality=90, restart_marker_rows=1),
+    "greyscale": dict(quality=90),
+}
+SIZES = [(375, 500), (499, 333)]  # ImageNet's typical landscape photograph, and an odd portrait one
+
+
+def boxes(height: int, width: int, rng, n: int) -> list[tuple[int, int, int, int]]:
+    """(i, j, h, w): every edge and corner, 1x1 boxes, the whole image, offsets off the MCU grid, then random
+    boxes and timm's RandomResizedCrop boxes (scale 0.08-1, ratio 3/4-4/3)."""
+    H, W = height, width
+    out = [(0, 0, H, W), (0, 0, 1, 1), (H - 1, W - 1, 1, 1), (0, W - 1, 1, 1), (H - 1, 0, 1, 1), (0, 0, H, 1),
+           (0, W - 1, H, 1), (H - 1, 0, 1, W), (1, 1, H - 2, W - 2), (7, 9, 17, 15), (15, 15, 2, 2), (16, 16, 16, 16),
+           (17, 31, H - 17, W - 31), (H - 33, W - 17, 33, 17), (0, 5, 100, 3), (5, 0, 3, 100)]
+    for _ in range(n):
+        h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
+        out.append((int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)), h, w))
+    for _ in range(n):
+        area = H * W * rng.uniform(0.08, 1.0)
+        ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        w, h = int(round(np.sqrt(area * ratio))), int(round(np.sqrt(area / ratio)))
+        if 0 < w <= W and 0 < h <= H:
+            out.append((int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)), h, w))
+    return out
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_box_is_the_whole_decode_cropped(variant, size):
+    assert jpeg_roi.AVAILABLE, jpeg_roi.LIBRARY
+    height, width = size
+    data = encode(photo_like(height, width, seed=height), "L" if variant == "greyscale" else "RGB", **VARIANTS[variant])
+    full = decode_rgb_array(data, height, width)
+    assert np.array_equal(full, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))  # PIL's pixels too
+    rng = np.random.default_rng(height + len(variant))
+    wrong = [(i, j, h, w) for i, j, h, w in boxes(height, width, rng, 60)
+             if not np.array_equal(jpeg_roi.decode_box(data, i, j, h, w), full[i:i + h, j:j + w])]
+    assert wrong == []
+    scratch = np.zeros(height * width * 3, np.uint8)  # the compiled one, as the FFCV decoder calls it
+    for i, j, h, w in boxes(height, width, rng, 5):
+        assert decode_rgb_box(np.frombuffer(data, np.uint8), scratch, height, width, i, j, h, w) == 0
+        assert np.array_equal(scratch[:h * w * 3].reshape(h, w, 3), full[i:i + h, j:j + w])
+
+
+@pytest.mark.parametrize("variant", ["4:2:0 q90", "4:2:2 q75", "progressive 4:2:0"])
+def test_every_first_row_and_height_near_the_top(variant):
+    """jpeg_skip_scanlines keeps the context rows of vertical fancy upsampling: every first row and height across
+    the first iMCU rows, and column offsets on and off the iMCU grid."""
+    data = encode(photo_like(70, 61, seed=3), **VARIANTS[variant])
+    full = decode_rgb_array(data, 70, 61)
+    wrong = [(i, j, h, w) for i in range(50) for h in (1, 2, 15, 16, 17, 70 - i) for j, w in ((0, 61), (15, 2),
+                                                                                             (17, 30), (58, 3))
+             if not np.array_equal(jpeg_roi.decode_box(data, i, j, h, w), full[i:i + h, j:j + w])]
+    assert wrong == []
+
+
+def test_refusals_match_the_whole_decode_and_are_counted():
+    before = jpeg_roi.counts()
+    cmyk = encode(photo_like(40, 52), "CMYK", quality=90)  # turbojpeg refuses RGB output of it: so does this
+    assert decode_rgb_array(cmyk, 40, 52) is None and jpeg_roi.decode_box(cmyk, 0, 0, 8, 8) is None
+    assert decode_rgb_box_array(cmyk, 40, 52, 0, 0, 8, 8) is None
+    assert jpeg_roi.decode_box(b"not a jpeg", 0, 0, 1, 1) is None
+    data = encode(photo_like(40, 52), quality=90)
+    with pytest.raises(ValueError, match="outside the image"):
+        jpeg_roi.decode_box(data, 30, 0, 11, 5)
+    assert jpeg_roi.decode_box(data, 1, 2, 3, 4).shape == (3, 4, 3)
+    after = jpeg_roi.counts()
+    assert after["decoded"] - before["decoded"] == 1 and after["refused"] - before["refused"] == 3
+
+
+def test_without_the_library_the_whole_decode_then_the_crop_and_one_warning(monkeypatch, caplog):
+    data = encode(photo_like(75, 101), quality=90)
+    full = decode_rgb_array(data, 75, 101)
+    scratch = np.zeros(75 * 101 * 3, np.uint8)
+    assert _decode_whole_box(np.frombuffer(data, np.uint8), scratch, 75, 101, 9, 13, 50, 70) == 0
+    assert np.array_equal(scratch[:50 * 70 * 3].reshape(50, 70, 3), full[9:59, 13:83])
+    monkeypatch.setattr(jpeg_roi, "AVAILABLE", False)
+    monkeypatch.setattr(jpeg_roi, "LIBRARY", "not built (a test)")
+    monkeypatch.setattr(jpeg_roi, "_warned", False)
+    assert jpeg_roi.decode_box(data, 0, 0, 4, 4) is None
+    with caplog.at_level(logging.WARNING, logger="convit_scale.jpeg_roi"):
+        assert not jpeg_roi.warn_if_missing("the test loader") and not jpeg_roi.warn_if_missing("the test loader")
+    assert [r.getMessage() for r in caplog.records] == [
+        "the test loader: decoding whole JPEGs, then cropping (same pixels, more CPU): not built (a test)"]
