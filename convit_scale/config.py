@@ -129,6 +129,24 @@ def default_groups(global_batch: int, most: int = 16) -> int:
     return max((k for k in divisors if (global_batch // k) % 2 == 0), default=max(divisors))
 
 
+def group_shares(groups: int, world_size: int) -> list[int]:
+    """The canonical groups each rank holds, rank by rank: consecutive groups, the first ``groups % world_size`` ranks
+    one more than the others (32 groups on 24 ranks: 8 ranks hold 2, 16 hold 1); every world size up to ``groups``."""
+    base, extra = divmod(groups, world_size)
+    return [base + (r < extra) for r in range(world_size)]
+
+
+def shares_note(groups: int, world_size: int) -> str | None:
+    """One line on unequal shares of the canonical groups (None when every rank holds as many): the step waits for
+    the busiest ranks, so it takes as long as on the world size where every rank holds that many."""
+    base, extra = divmod(groups, world_size)
+    if extra == 0:
+        return None
+    busy = base + 1
+    return (f"{world_size} ranks hold {groups} canonical groups unequally: {extra} rank{'s' * (extra > 1)} x {busy}, "
+            f"{world_size - extra} x {base}; step time as for {math.ceil(groups / busy)} ranks x {busy}")
+
+
 @dataclass
 class DataConfig:
     format: Literal["ffcv", "wds", "imagefolder"] = "ffcv"
@@ -143,9 +161,9 @@ class DataConfig:
     """Images per rank per forward; None = the largest divisor that needs no accumulation."""
     canonical_groups: int | None = None
     """The global batch as this many groups of consecutive samples, each a rank's whole unit (Mixup/CutMix pairs and
-    draws, WebDataset partitions): world sizes that divide it can run and resume the run; None = the largest number
-    up to 16 that divides the global batch into groups of an even size (16 groups of 64 at batch 1024: the paper's
-    GPU batches)."""
+    draws, WebDataset partitions): any world size up to it can run and resume the run (unequal shares where it does
+    not divide it, the loss weighted by the samples each rank holds); None = the largest number up to 16 that divides
+    the global batch into groups of an even size (16 groups of 64 at batch 1024: the paper's GPU batches)."""
     eval_batch_size: int = 128
     """Images per rank per evaluation forward."""
     num_workers: int = 8
@@ -194,15 +212,14 @@ class DataConfig:
         return self.canonical_groups or default_groups(self.global_batch_size)
 
     def world_size_problem(self, world_size: int) -> str | None:
-        """Why ``world_size`` ranks cannot run this recipe (each rank takes whole canonical groups: the run, and every
-        checkpoint of it, are then the same at any allowed world size), or None when they can."""
+        """Why ``world_size`` ranks cannot run this recipe (each rank holds at least one whole canonical group: the
+        run, and every checkpoint of it, are then the same at any world size up to the group count), or None."""
         groups = self.groups
-        if groups % world_size == 0:
+        if world_size <= groups:
             return None
-        allowed = ", ".join(str(w) for w in range(1, groups + 1) if groups % w == 0)
-        return (f"{world_size} ranks cannot share the {groups} canonical groups of data.global_batch_size = "
-                f"{self.global_batch_size} (data.canonical_groups = {groups}; each rank takes whole groups); allowed "
-                f"world sizes: {allowed}")
+        return (f"{world_size} ranks exceed the {groups} canonical groups of data.global_batch_size = "
+                f"{self.global_batch_size} (data.canonical_groups = {groups}; each rank holds at least one whole "
+                f"group): at most {groups} ranks")
 
     def validate(self, fail) -> None:
         for key in ("global_batch_size", "eval_batch_size", "repeated_aug"):
@@ -313,7 +330,11 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like)."""
     hsdp_replicas: int = 1
-    """FSDP2: >1 shards within groups of world/replicas ranks and replicates across groups (HSDP)."""
+    """FSDP2: >1 shards within groups of world/replicas ranks and replicates across groups (HSDP); a count that does
+    not fit the world of a resume (or whose shard groups would straddle nodes) gives one replica per node."""
+    hsdp_per_node: bool = False
+    """FSDP2: HSDP shaped by the ranks per node at each start: shard within a node, replicate across nodes (a requeue
+    onto fewer nodes keeps every shard group inside a node); one node: plain FSDP2."""
     activation_checkpointing: bool = False
     """Recompute each block in backward to save activation memory."""
     compile: bool = False
@@ -340,12 +361,29 @@ class ParallelConfig:
     timeout_s: int = 600
     """Collective timeout: a dead rank makes the others fail after at most this long."""
 
+    def hsdp_mesh(self, world_size: int, ranks_per_node: int) -> tuple[int, str | None]:
+        """(HSDP replicas, a line for the log or None) on ``world_size`` ranks of ``ranks_per_node`` per node: the
+        recipe's ``hsdp_replicas`` where it divides the world into shard groups that stay inside nodes (or span whole
+        ones), else, and with ``hsdp_per_node``, one replica per node (1 on one node, or on unequal nodes)."""
+        per_node = ranks_per_node if 0 < ranks_per_node <= world_size and world_size % ranks_per_node == 0 else 0
+        by_node = world_size // per_node if per_node else 1
+        r = self.hsdp_replicas
+        if r > 1:
+            shard = world_size // r if world_size % r == 0 else 0
+            if shard and (not per_node or per_node % shard == 0 or shard % per_node == 0):
+                return r, None
+            return by_node, (f"parallel.hsdp_replicas = {r} does not fit {world_size} ranks of {ranks_per_node} per "
+                             f"node: {by_node} replica(s), one per node, instead")
+        return (by_node if self.hsdp_per_node else 1), None
+
     def validate(self, fail) -> None:
         zero, any_zero = "needs parallel.strategy zero3", "needs parallel.strategy zero1, zero2 or zero3"
         if self.hsdp_replicas < 1:
             fail("parallel.hsdp_replicas", self.hsdp_replicas, "must be >= 1")
         if self.hsdp_replicas > 1 and self.strategy != "fsdp2":
             fail("parallel.hsdp_replicas", self.hsdp_replicas, "HSDP needs parallel.strategy = 'fsdp2'")
+        if self.hsdp_per_node and self.strategy != "fsdp2":
+            fail("parallel.hsdp_per_node", self.hsdp_per_node, "HSDP needs parallel.strategy = 'fsdp2'")
         if self.zero_offload and not self.strategy.startswith("zero"):
             fail("parallel.zero_offload", True, any_zero)
         if self.zero_bucket_elements is not None and not self.strategy.startswith("zero"):
