@@ -56,7 +56,9 @@ if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
     exit 2
 fi
 PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+# The default falls back to python3; a PYTHON the site names is kept even where the batch shell cannot see it (a
+# container's interpreter exists only inside the srun steps).
+[ -n "${PYTHON:-}" ] || [ -x "$PY" ] || PY=python3
 CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HOST_PY=${HOST_PYTHON:-$PY}
 command -v "$HOST_PY" >/dev/null 2>&1 || HOST_PY=python3
