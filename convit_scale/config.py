@@ -152,9 +152,13 @@ class DataConfig:
     format: Literal["ffcv", "wds", "imagefolder"] = "ffcv"
     """Loader: FFCV .beton, WebDataset tar shards, or a plain ImageFolder tree."""
     train_path: str = ""
-    """Training data: a .beton file (ffcv), a folder/brace pattern/URL of shards (wds), or a folder."""
+    """Training data: a `convit-scale prep` output folder (ffcv, wds), a .ffcv/.beton file or a folder of them that
+    another tool wrote (ffcv), a folder of WebDataset shards with timm's _info.json or a URL template (wds), or an
+    ImageFolder root."""
     val_path: str = ""
     """Validation data, same form as train_path."""
+    ffcv_fields: tuple[str, str] = ("image", "label")
+    """FFCV files: the names of the image field (an RGBImageField) and the label field (an IntField)."""
     global_batch_size: int = 1024
     """Images per optimizer step over all ranks: a property of the recipe, not of the cluster."""
     micro_batch_size: int | None = None

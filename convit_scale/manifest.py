@@ -18,8 +18,15 @@ and no ``manifest.json`` gives a manifest of its own (the shards and their lengt
 counts, which such a folder does not record; ``validation`` serves as ``val``). ``prep wds`` writes ``_info.json``
 beside its manifest, so that timm's WebDataset reader takes its shards as they are.
 
+FFCV files another tool wrote (ffcv-imagenet's ``write_imagenet.py``: ``DatasetWriter`` with an ``RGBImageField``
+and an ``IntField``) are read in place too: a ``.ffcv``/``.beton`` path, or a folder of them without
+``manifest.json`` (``train*`` the train split, ``val*`` the val split; a lone file serves whichever split is asked
+for). The samples per class and the number of labels are read from the file's label column
+(``read_ffcv_labels``); class names are not recorded there, so none are given.
+
 It sits below ``data/`` and ``data_prep/`` (both read it; a conversion's worker processes import no torch), with
-:class:`DataError`, the one error of unusable data, which ``data/`` re-exports.
+:class:`DataError`, the one error of unusable data, which ``data/`` re-exports. It imports ffcv (through
+``ffcv_threads``) only to read an FFCV file's label column.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from .ffcv_threads import importing_ffcv
 from .files import write_json_atomic
 
 
@@ -43,6 +53,10 @@ FORMATS = ("ffcv", "wds")
 """The formats ``convit-scale prep`` writes."""
 SPLIT_ALIASES = {"val": ("validation",)}
 """Other names of a split in other tools' layouts (timm's ImageNet shards name it ``validation``)."""
+FFCV_SUFFIXES = (".ffcv", ".beton")
+"""FFCV files: ffcv-imagenet names them ``train_500_0.50_90.ffcv``, ``prep ffcv`` ``train_full_keep_q90_f1.beton``."""
+FFCV_FIELDS = ("image", "label")
+"""The image and label fields' names in FFCV files (``prep ffcv``'s and ffcv-imagenet's; ``data.ffcv_fields``)."""
 
 
 @dataclass
@@ -58,6 +72,8 @@ class Split:
     """Inputs left out at conversion: {"path", "reason"}."""
     extra: dict = field(default_factory=dict)
     """Anything else the writer recorded (e.g. how FFCV stored the images), kept as it is."""
+    labels: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """An FFCV file read in place: the label of each sample, in file order (not written)."""
 
     def class_counts(self, num_classes: int) -> list[int]:
         """Samples of each label 0..num_classes-1 (0 for a label the split lacks)."""
@@ -89,10 +105,20 @@ class Manifest:
     splits: dict[str, Split] = field(default_factory=dict)
     location: str = ""
     """Where it was read from (errors name it); not written."""
+    num_labels: int | None = None
+    """Data read in place without class names (FFCV files): the labels' count, from the label column."""
+    lone: bool = False
+    """One FFCV file read in place: its one split serves whichever split is asked for."""
 
     @property
     def num_classes(self) -> int:
-        return len(self.classes)
+        return len(self.classes) or self.num_labels or 0
+
+    @property
+    def folder(self) -> Path:
+        """The folder that the files' names are relative to (a lone FFCV file's own folder)."""
+        path = Path(self.location)
+        return path.parent if path.suffix in FFCV_SUFFIXES and path.is_file() else path
 
     @property
     def subset_fraction(self) -> float:
@@ -102,6 +128,8 @@ class Manifest:
     def split(self, name: str) -> Split:
         """The split ``name`` (or its other name, ``SPLIT_ALIASES``), or a DataError naming the location and the
         splits it has."""
+        if self.lone:
+            return next(iter(self.splits.values()))
         for candidate in (name, *SPLIT_ALIASES.get(name, ())):
             if candidate in self.splits:
                 return self.splits[candidate]
@@ -129,6 +157,26 @@ class Manifest:
                             f"({what}); allowed: timm's layout, or `convit-scale prep wds` output") from e
         return cls("wds", f"{location} ({TIMM_INFO})", {}, [], splits, location)
 
+    @classmethod
+    def from_ffcv_files(cls, location: str, files: list[Path], fields: tuple[str, str] = FFCV_FIELDS) -> "Manifest":
+        """The manifest of FFCV files another tool wrote (the module says how files map to splits)."""
+        by_split: dict[str, list[Path]] = {}
+        for f in files:
+            split = next((s for s in ("train", "val") if f.name.startswith(s)), f.stem)
+            by_split.setdefault(split, []).append(f)
+        if len(files) > 1 and any(len(v) > 1 for v in by_split.values()):
+            raise DataError(f"{location}: {len(files)} FFCV files ({', '.join(f.name for f in files)}), more than one "
+                            f"for a split; allowed: one train* and one val* file, or name one file as the location")
+        splits, top = {}, -1
+        for split, (path,) in by_split.items():
+            labels = read_ffcv_labels(path, fields)
+            counts = np.bincount(labels) if len(labels) else np.zeros(0, dtype=np.int64)
+            per_class = {str(c): int(n) for c, n in enumerate(counts) if n}
+            splits[split] = Split(len(labels), per_class, {path.name: {"samples": len(labels)}}, labels=labels)
+            top = max(top, len(counts) - 1)
+        return cls("ffcv", f"{location} (FFCV files)", {}, [], splits, location, num_labels=top + 1,
+                   lone=len(files) == 1)
+
     def require_subset(self, fraction: float) -> None:
         """WebDataset subsets (Table 2) are made at conversion: the shards must hold the recipe's fraction."""
         if not math.isclose(self.subset_fraction, fraction):
@@ -154,10 +202,14 @@ class Manifest:
                             f"`convit-scale prep`") from e
 
     @classmethod
-    def read(cls, location: str | Path) -> "Manifest":
+    def read(cls, location: str | Path, ffcv_fields: tuple[str, str] = FFCV_FIELDS) -> "Manifest":
         """The manifest of a local folder or a WebDataset URL template (or timm's ``_info.json`` of a local folder
-        without one); a DataError in one line when there is none or it does not read."""
+        without one, or FFCV files read in place: ``ffcv_fields`` names their image and label fields); a DataError
+        in one line when there is none or it does not read."""
         location = str(location)
+        files = ffcv_files(location)
+        if files:
+            return cls.from_ffcv_files(location, files, ffcv_fields)
         if "{name}" not in location and not (Path(location) / MANIFEST).is_file() \
                 and (Path(location) / TIMM_INFO).is_file():
             return cls.from_timm_info(_read_json(location, TIMM_INFO), location)
@@ -171,9 +223,48 @@ class Manifest:
 
 
 def described(location: str) -> bool:
-    """A local folder with a manifest, or with timm's ``_info.json`` (a URL template cannot be listed: it is taken as
-    described)."""
-    return "{name}" in location or any((Path(location) / n).is_file() for n in (MANIFEST, TIMM_INFO))
+    """A local folder with a manifest, or with timm's ``_info.json``, or FFCV files (a URL template cannot be listed:
+    it is taken as described)."""
+    return ("{name}" in location or any((Path(location) / n).is_file() for n in (MANIFEST, TIMM_INFO))
+            or bool(ffcv_files(location)))
+
+
+def ffcv_files(location: str) -> list[Path]:
+    """The FFCV files to read in place at ``location``: the file itself, or those of a folder without a manifest."""
+    path = Path(location)
+    if "{name}" in location:
+        return []
+    if path.is_file():
+        return [path] if path.suffix in FFCV_SUFFIXES else []
+    if not path.is_dir() or (path / MANIFEST).is_file():
+        return []
+    return sorted(f for f in path.iterdir() if f.suffix in FFCV_SUFFIXES and f.is_file())
+
+
+def read_ffcv_labels(path: Path, fields: tuple[str, str] = FFCV_FIELDS) -> np.ndarray:
+    """The label of each sample of an FFCV file (its label field's column of the metadata table); a DataError naming
+    the file's fields when it lacks the image or label field."""
+    with importing_ffcv():
+        from ffcv.fields import IntField
+        from ffcv.reader import Reader
+
+    try:
+        reader = Reader(str(path))
+    except Exception as e:  # ffcv raises what numpy or its header check raises for a file it cannot read
+        raise DataError(f"{path}: not a readable FFCV file ({type(e).__name__}: {e})") from e
+    names = list(reader.field_names)
+    image, label = fields
+    if image not in names or label not in names:
+        raise DataError(f"{path}: FFCV fields {names}, no {image!r} image field or no {label!r} label field; set "
+                        f"data.ffcv_fields to the file's [image, label] names")
+    index = names.index(label)
+    if not isinstance(reader.handlers[label], IntField):
+        raise DataError(f"{path}: FFCV field {label!r} is a {type(reader.handlers[label]).__name__}, not an IntField; "
+                        f"set data.ffcv_fields to the file's [image, label] names")
+    labels = np.asarray(reader.metadata[f"f{index}"]).astype(np.int64)
+    if len(labels) and labels.min() < 0:
+        raise DataError(f"{path}: negative labels in field {label!r}; allowed: labels 0..N-1")
+    return labels
 
 
 def _read_json(location: str, name: str) -> dict:

@@ -2,6 +2,9 @@
 
 from convit_scale.imagetree import PrepError
 
-from .convert import PrepOptions, prepare, shard_plan, verify
+from .options import PrepOptions
+from .prepare import prepare
+from .verify import verify
+from .wds_writer import shard_plan
 
 __all__ = ["PrepOptions", "PrepError", "prepare", "verify", "shard_plan"]

@@ -9,15 +9,16 @@ The layers, from the ground up (a module imports modules of lower layers and of 
    console, metrics, augment_policy, imagetree, splitmix and splitmix_numba (the counter-based generator of the
    augmentation and of drop-path, in torch and in numba), ffcv_threads, jpeg (shared by the loaders and data_prep/),
    gpu_wheels (the GPU box's wheel folder);
-3. the models (drop-path per sample draws from splitmix);
-4. config (the recipe);
-5. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
+3. manifest, the description of a prepared dataset (it reads other tools' FFCV files through ffcv_threads);
+4. the models (drop-path per sample draws from splitmix);
+5. config (the recipe);
+6. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
    run's model);
-6. evaluation and the planner, over data and strategies;
-7. analysis (which evaluates);
-8. train (which evaluates and analyses every epoch);
-9. bench, experiments and the rehearsal (which train);
-10. cli, the command.
+7. evaluation and the planner, over data and strategies;
+8. analysis (which evaluates);
+9. train (which evaluates and analyses every epoch);
+10. bench, experiments and the rehearsal (which train);
+11. cli, the command.
 A new module is placed in one of them here, or this test fails.
 """
 
@@ -34,9 +35,10 @@ LAYERS = [
     ["convit_scale.files", "convit_scale.jpeg_roi"],
     ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
-     "convit_scale.manifest", "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
+     "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
      "convit_scale.splitmix_numba",
      "convit_scale.gpu_wheels"],
+    ["convit_scale.manifest"],
     ["convit_scale.models"],
     ["convit_scale.config"],
     ["convit_scale.data", "convit_scale.parallel", "data_prep", "convit_scale.trained"],

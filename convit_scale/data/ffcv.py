@@ -19,12 +19,13 @@ from ..ffcv_threads import importing_ffcv
 
 with importing_ffcv():
     from ffcv.loader import Loader, OrderOption
+    from ffcv.reader import Reader
     from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
 
 from timm.data import create_transform
 
 from ..config import DataConfig
-from ..manifest import Manifest
+from ..manifest import FFCV_FIELDS, Manifest, read_ffcv_labels
 from .batch import Batch
 from .faults import DataError, limit_bad_samples, next_good
 from .ffcv_decoders import (
@@ -43,15 +44,21 @@ from .order import view_seeds
 from .private_aug import PrivateAugment
 
 
-def subset_indices(manifest: Manifest, split: str, fraction: float) -> tuple[str, np.ndarray]:
-    """The .beton of ``split`` and the file indices of its Table 2 subset (the first files of each class:
-    files are written in sorted (class, file) order)."""
+def subset_indices(manifest: Manifest, split: str, fraction: float,
+                   fields: tuple[str, str] = FFCV_FIELDS) -> tuple[Path, np.ndarray]:
+    """The FFCV file of ``split`` and the sample indices of its Table 2 subset: the first floor(n_c * f) samples of
+    each class in file order (``prep ffcv`` writes sorted (class, file) order: the first files of each class), from
+    the file's label column."""
     info = manifest.split(split)
     (name,) = info.files
-    counts = info.class_counts(manifest.num_classes)
-    starts = np.cumsum([0] + counts)
-    return name, np.concatenate([np.arange(s, s + math.floor(c * fraction)) for s, c in zip(starts, counts)])
-
+    path = manifest.folder / name
+    if fraction >= 1.0:
+        return path, np.arange(info.num_samples)
+    labels = info.labels if info.labels is not None else read_ffcv_labels(path, fields)
+    order = np.argsort(labels, kind="stable")  # each class's samples, in file order
+    starts = np.concatenate([[0], np.cumsum(np.bincount(labels))])
+    keep = [order[s:s + math.floor((e - s) * fraction)] for s, e in zip(starts[:-1], starts[1:])]
+    return path, np.sort(np.concatenate(keep))
 
 
 class FfcvLoader:
@@ -62,13 +69,15 @@ class FfcvLoader:
     """
 
     def __init__(self, d: DataConfig, spec: LoaderSpec):
-        location = Path(d.train_path if spec.train else d.val_path)
-        name, indices = subset_indices(Manifest.read(location), spec.split, d.subset_fraction if spec.train else 1.0)
+        location = d.train_path if spec.train else d.val_path
+        manifest = Manifest.read(location, d.ffcv_fields)
+        self._path, indices = subset_indices(manifest, spec.split, d.subset_fraction if spec.train else 1.0,
+                                             d.ffcv_fields)
         self.num_samples = len(indices)
         self.d, self.spec, self._indices = d, spec, indices.astype(np.uint64)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(location))
         self.num_real = self.geometry.num_real
-        self._path, self._loader = location / name, None
+        self._loader = None
 
     def __len__(self) -> int:
         return self.geometry.num_batches
@@ -88,16 +97,20 @@ class FfcvLoader:
             re_mode="pixel", re_count=1, separate=True)
         return [crop, PrivateTimmStage(PrivateAugment(secondary, final), size)]
 
+    def _pipelines(self) -> dict:
+        """The image and label fields' pipelines (``data.ffcv_fields``); the file's other fields are not read."""
+        image, label = self.d.ffcv_fields
+        others = {name: None for name in Reader(str(self._path)).field_names if name not in (image, label)}
+        return {image: self._image_pipeline(), label: [ViewLabelDecoder(), ToTensor(), Squeeze()], **others}
+
     def _ffcv_loader(self) -> Loader:
-        """Built and compiled once (numba: seconds). Its order is never used: ``epoch`` hands each epoch's views to
-        ``EpochIterator`` itself."""
+        """Built once (ffcv compiles the pipelines with numba: seconds). Its order is never used: ``epoch`` hands each
+        epoch's views to ``EpochIterator`` itself."""
         if self._loader is None:
             self._loader = Loader(
                 str(self._path), batch_size=self.spec.micro_batch_size, num_workers=max(1, self.d.num_workers),
                 order=OrderOption.SEQUENTIAL, indices=self._indices, seed=self.spec.seed, drop_last=self.spec.train,
-                os_cache=True, pipelines={"image": self._image_pipeline(), "label": [ViewLabelDecoder(), ToTensor(),
-                                                                                     Squeeze()]})
-            self._loader.generate_code()
+                os_cache=True, pipelines=self._pipelines())
         return self._loader
 
     def views(self, epoch: int, start_batch: int = 0) -> np.ndarray:
@@ -123,7 +136,8 @@ class FfcvLoader:
 
     def _batches(self, it, order: np.ndarray):
         first = 0
-        for images, labels in it:
+        for out in it:  # the fields' outputs in the file's field order: the images are the 4-d one
+            images, labels = out if out[0].dim() == 4 else out[::-1]
             # ffcv reuses its output buffers: copy what leaves the loader. In device-augmentation mode the images
             # stay channels-last (NCHW over the decoder's NHWC memory): a plain copy here, and the transposition
             # happens on the training device (device_augment), not in this thread, which every batch passes through.

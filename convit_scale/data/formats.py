@@ -1,12 +1,13 @@
 """Which format a data location holds, read from the location itself: a `convit-scale prep` output says so in
-its manifest.json; an ImageFolder tree is a folder whose train/ holds class folders."""
+its manifest.json; FFCV files (.ffcv, .beton) and timm's WebDataset folders by their files; an ImageFolder tree is a
+folder whose train/ holds class folders."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..imagetree import list_classes
-from ..manifest import TIMM_INFO, Manifest, described
+from ..manifest import TIMM_INFO, Manifest, described, ffcv_files
 from .faults import DataError
 
 FORMATS = ("ffcv", "wds", "imagefolder")
@@ -18,9 +19,12 @@ def detect_format(location: str) -> str:
     (``train/<class>/``). Anything else is a DataError naming the location and what was looked for."""
 
     local = "{name}" not in location
+    if ffcv_files(location):
+        return "ffcv"
     if local and not Path(location).is_dir():
         raise DataError(f"{location}: not a folder; allowed: a `convit-scale prep` output (with manifest.json), an "
-                        f"ImageFolder root (train/ and val/ class folders) or a WebDataset URL template with {{name}}")
+                        f"ImageFolder root (train/ and val/ class folders), FFCV files (.ffcv, .beton) or a "
+                        f"WebDataset URL template with {{name}}")
     if local and not described(location):
         train = Path(location) / "train"
         if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
@@ -38,6 +42,6 @@ def class_names(location: str, fmt: str) -> list[str] | None:
         return list_classes(Path(location) / "train")
 
     try:
-        return Manifest.read(location).classes
+        return Manifest.read(location).classes or None  # FFCV files and timm's shards name no classes
     except DataError:
         return None

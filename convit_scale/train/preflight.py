@@ -114,7 +114,7 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
             raise DataError(f"data.{key}: {e}") from e
     else:
         remote = "{name}" in loc
-        manifest = _probe_remote(key, loc) if remote else Manifest.read(loc)
+        manifest = _probe_remote(key, loc) if remote else Manifest.read(loc, d.ffcv_fields)
         found = manifest.format
         if found != d.format:
             raise DataError(f"data.{key}: {loc} holds {found} data (manifest.json), data.format = {d.format!r}; "
@@ -131,7 +131,7 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
         else:
             n = info.num_samples if split == "train" else None
         for name, rec in ([] if remote else info.files.items()):
-            path = Path(loc) / name
+            path = manifest.folder / name
             if not path.is_file():
                 raise DataError(f"data.{key}: {path} is missing (listed in manifest.json); allowed: the complete "
                                 f"output of `convit-scale prep` (run it again to finish it)")
