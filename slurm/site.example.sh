@@ -18,9 +18,9 @@
 # A container (enroot/pyxis): extra options for every srun step of the scripts. The steps run PYTHON inside it, the
 # checks before training (the recipe, torchrun's options) too, in a one-task step; the batch shell runs only the
 # fault bookkeeping between steps (standard library, HOST_PYTHON, default python3 where PYTHON is not on the host):
-# the host needs no torch.
+# the host needs no torch. The image: slurm/container/ (Dockerfile, Apptainer .def; `enroot import` makes the .sqsh).
 # SRUN_ARGS="--container-image=/shared/images/convit-scale.sqsh --container-mounts=/data:/data,$PWD:$PWD --container-workdir=$PWD"
-# PYTHON=python3
+# PYTHON=python3                 # the image's; a path that exists only inside the image is kept as given
 
 # Launcher defaults (the environment at submission still wins where these use ${VAR:-...}).
 # LAUNCHER=${LAUNCHER:-srun}
