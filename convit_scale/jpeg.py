@@ -102,6 +102,8 @@ if jpeg_roi.AVAILABLE:
         ``h x w x 3`` bytes of ``dst`` (which holds the whole image), as ``decode_rgb`` then the crop give it; only
         the box is decoded (``jpeg_roi.py``). Where the crop-region decoder refuses the data, the whole decode then
         the crop (which refuses it too: -1)."""
+        if h == height and w == width:  # the whole image: turbojpeg's decode, nothing to skip
+            return decode_rgb(data, dst, height, width)
         if _roi(data.ctypes.data, data.size, dst.ctypes.data, j, i, w, h) == 0:
             return 0
         return _decode_whole_box(data, dst, height, width, i, j, h, w)

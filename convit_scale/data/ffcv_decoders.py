@@ -2,7 +2,9 @@
 
 ffcv compiles each stage with numba and runs it on the loader's threads (``ffcv_epoch.py``). Each JPEG is decoded as
 PIL decodes it (``jpeg.py``), the train crop drawn from the view's seed (``splitmix_numba.py``) and resized with
-PIL's resampling (``resample.py``); a view's id carries its file index and its seed (``ID_BITS``).
+PIL's resampling (``resample.py``); a view's id carries its file index and its seed (``ID_BITS``). In training the
+crop box is drawn from the image's size (the .beton's metadata) before decoding, and only the box is decoded
+(``jpeg.decode_rgb_box``: the same pixels as the whole decode then the crop, about half the work).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ with importing_ffcv():
     from ffcv.pipeline.compiler import Compiler
     from ffcv.pipeline.operation import Operation
 
-from ..jpeg import decode_rgb
+from .. import jpeg_roi
+from ..jpeg import decode_rgb_box
 from ..splitmix_numba import FLIP_DRAW, uniform
 from .ffcv_epoch import SlotScratch
 from .private_aug import PrivateAugment
@@ -68,35 +71,56 @@ def _flip_in_place(img):  # (H, W, 3) uint8
                 img[r, width - 1 - c, ch] = t
 
 
-def _decode_or_next(mem_read, group: int):
-    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch) -> (height, width)``: the image of view
-    ``dst_ix`` of a batch as flat RGB bytes (``height x width x 3``) in ``scratch``, decoded as PIL decodes it
-    (``jpeg.decode_rgb``) or copied as stored (a raw image: one type of buffer for the resize to read, whatever the
-    image's mode), else, if turbojpeg refuses its JPEG, the next view of its group (cyclically: ``group`` views, the
+@numba.njit(nogil=True)
+def _whole_image(height, width, view_seed):
+    """The eval view's box: the whole image (decoded whole: ``jpeg.decode_rgb_box`` then calls turbojpeg)."""
+    return 0, 0, int(height), int(width)
+
+
+def _train_box(scale, log_ratio):
+    """Compiled ``(height, width, view_seed) -> (i, j, h, w)``: the view's RandomResizedCrop box (``seeded_crop``)."""
+
+    def box(height, width, view_seed):
+        return seeded_crop(height, width, scale, log_ratio, view_seed)
+
+    return Compiler.compile(box)
+
+
+def _decode_or_next(mem_read, group: int, box_of=_whole_image):
+    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed) -> (i, j, h, w, stride)``:
+    the box ``box_of(height, width, view_seed)`` of the image of view ``dst_ix`` of a batch, in ``scratch`` as flat
+    RGB rows ``stride`` pixels wide, with its top left corner at row ``i``, column ``j``: a JPEG's box alone, decoded
+    as PIL decodes the image (``jpeg.decode_rgb_box``: i = j = 0, stride = w), or a raw image copied as stored (one
+    type of buffer for the resize to read, whatever the image's mode), else, if its JPEG is refused, the box of the
+    next view of its group (cyclically: ``group`` views, the
     canonical group in training, so the replacement is the same at any world size; 0: the whole batch) that decodes,
     with ``REPLACED`` set on the view's id in place (the epoch's batches are views of the order FfcvLoader keeps),
     where FfcvLoader finds it to fix the label and list it. ffcv's own decoders ignore what turbojpeg returns: a
-    corrupt JPEG silently becomes whatever the buffer held. If no view of the group decodes, the view's own size
-    over ``scratch``: FfcvLoader raises for that batch."""
+    corrupt JPEG silently becomes whatever the buffer held. If no view of the group decodes, the box of the view's
+    own size over ``scratch``: FfcvLoader raises for that batch.
+
+    The box is drawn from the size the .beton records (its header's), before decoding: a replacement's box is
+    drawn over the replacement's size, as when it was decoded whole first."""
     jpg = IMAGE_MODES["jpg"]
 
-    def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch):
+    def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed):
         n = group if group > 0 else len(batch_indices)
         base = dst_ix - dst_ix % n
         own = metadata[batch_indices[dst_ix] & FILE_INDEX]
-        height, width = np.uint32(own["height"]), np.uint32(own["width"])
         for attempt in range(n):  # the view itself, else the next one of the group that decodes
             field = metadata[batch_indices[base + (dst_ix - base + attempt) % n] & FILE_INDEX]
             image_data = mem_read(field["data_ptr"], storage_state)
             src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
+            i, j, h, w = box_of(src_h, src_w, view_seed)
             if field["mode"] != jpg:
                 scratch[:image_data.size] = image_data
-                return src_h, src_w
-            if decode_rgb(image_data, scratch, src_h, src_w) == 0:
-                return src_h, src_w
+                return i, j, h, w, int(src_w)
+            if decode_rgb_box(image_data, scratch, src_h, src_w, i, j, h, w) == 0:
+                return 0, 0, h, w, w
             if attempt == 0:
                 batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
-        return height, width
+        i, j, h, w = box_of(np.uint32(own["height"]), np.uint32(own["width"]), view_seed)
+        return i, j, h, w, int(own["width"])
 
     return Compiler.compile(decode_or_next)
 
@@ -128,7 +152,8 @@ class SeededCropFlipDecoder(_TimmPixelsDecoder):
     and the crop resized as timm does (``resample.resized_crop``).
 
     A view whose JPEG fails to decode takes the next view of its canonical group (``group`` views) that decodes
-    (``_decode_or_next``), cropped and flipped with its own seed."""
+    (``_decode_or_next``), cropped and flipped with its own seed. Only the crop box is decoded (``jpeg_roi``; without
+    its library, the whole image, said once)."""
 
     def __init__(self, output_size, flip_prob: float, scale=(0.08, 1.0), interpolation: str = "bicubic",
                  group: int = 0):
@@ -136,17 +161,17 @@ class SeededCropFlipDecoder(_TimmPixelsDecoder):
         self.flip_prob = flip_prob
 
     def generate_code(self):
-        decode_or_next = _decode_or_next(self.memory_read, self.group)
         scale, log_ratio, flip_prob, kind = (np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob,
                                              self.kind)
+        jpeg_roi.warn_if_missing("the FFCV train decoder")
+        decode_or_next = _decode_or_next(self.memory_read, self.group, _train_box(scale, log_ratio))
 
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
             for dst_ix in range(len(batch_indices)):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
-                height, width = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
-                i, j, h, w = seeded_crop(height, width, scale, log_ratio, view_seed)
-                resized_crop(scratch, width, i, j, h, w, destination[dst_ix], kind, mid)
+                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed)
+                resized_crop(scratch, stride, i, j, h, w, destination[dst_ix], kind, mid)
                 if uniform(view_seed, FLIP_DRAW) < flip_prob:
                     _flip_in_place(destination[dst_ix])
             return destination[:len(batch_indices)]
@@ -172,7 +197,8 @@ class TimmEvalDecoder(_TimmPixelsDecoder):
         def decode(batch_indices, my_storage, metadata, storage_state):
             destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
             for dst_ix in range(len(batch_indices)):
-                height, width = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch)
+                _, _, height, width, _ = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch,
+                                                        np.uint64(0))
                 resized_center_crop(scratch, height, width, short_side, destination[dst_ix], kind, mid)
             return destination[:len(batch_indices)]
 
