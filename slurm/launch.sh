@@ -23,8 +23,9 @@
 #   MAX_RESTARTS  how many new srun steps one allocation may start after unplanned failures (default 10)
 # CPUs: each rank gets its share of the job's CPUs and as many OpenMP threads (OMP_NUM_THREADS): srun
 # gives every task --cpus-per-task; torchrun gets all of the node's CPUs and splits them among its ranks.
-# Node range: sbatch --nodes=MIN-MAX starts (and restarts after a requeue) on any count in it; each count's
-# ranks must divide the recipe's data.canonical_groups (checked below, before any rank starts). The requeue
+# Node range: sbatch --nodes=MIN-MAX starts (and restarts after a requeue) on any count in it whose ranks are at
+# most the recipe's data.canonical_groups (checked below, before any rank starts): ConViT-B+ (32 groups) continues on
+# 3 of its 4 nodes (24 ranks, unequal shares). The requeue
 # below asks again for the range (Slurm would otherwise keep the task count of the last allocation).
 # Requeue: after the pre-timeout signal the ranks save, exit with 75, and rank 0 writes
 # $OUTPUT_DIR/STOPPED_FOR_REQUEUE. The job requeues itself (and resumes from the newest checkpoint) only
@@ -153,10 +154,11 @@ sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null | sed -E 's/^[0
     fi
 fi
 # Validate (and print) the resolved recipe before any training process starts, on this job's world size: each rank
-# takes whole canonical groups of the global batch (data.canonical_groups), so a job submitted with a node range
-# (sbatch --nodes=2-4) runs, and resumes any checkpoint of the run, on any count of nodes whose ranks divide them;
-# only the speed changes (the same global batch: a larger micro-batch or more accumulation per GPU). A count that
-# does not divide them is refused here with the allowed world sizes, before srun, and the job is not requeued.
+# holds whole canonical groups of the global batch (data.canonical_groups; unequal numbers of them where the ranks do
+# not divide them, the loss weighted by each rank's samples), so a job submitted with a node range (sbatch
+# --nodes=2-4) runs, and resumes any checkpoint of the run, on any count of nodes with no more ranks than groups;
+# only the speed changes (the same global batch; with unequal shares the busiest ranks set the step's time). More
+# ranks than groups are refused here, before srun, and the job is not requeued.
 where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" "${args[@]}" \
     | sed 's/^/   /' \
     || { echo "error: recipe refused"; exit 2; }

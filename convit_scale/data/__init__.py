@@ -20,6 +20,7 @@ from .batch import Batch
 from .faults import DataError
 from .geometry import LoaderSpec
 from .imagefolder import ImageFolderLoader
+from .steps import StepBatches
 from .wds import WdsLoader
 
 __all__ = ["Batch", "DataError", "Loader", "LoaderSpec", "build_loader", "Manifest"]
@@ -35,14 +36,22 @@ class Loader(Protocol):
     """Of this rank's views in an epoch, how many count (evaluation pads the ranks to equal length)."""
 
     def __len__(self) -> int:
-        """Batches per epoch, the same on every rank."""
+        """Batches per epoch, the same on every rank (train: steps x ``spec.accum``)."""
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         """The batches of ``epoch`` from ``start_batch`` on; closing the generator ends the epoch's workers."""
 
 
 def build_loader(d: DataConfig, spec: LoaderSpec) -> Loader:
-    """The loader of ``data.format`` for one split on one rank."""
+    """The loader of ``data.format`` for one split on one rank; in training, where this rank's micro-batches are not
+    all of ``micro_batch_size`` samples (unequal shares of the canonical groups), the format loader reads one group a
+    batch and ``StepBatches`` assembles the step's micro-batches."""
+    if not spec.whole_micro_batches:
+        return StepBatches(_format_loader(d, spec.per_group()), spec)
+    return _format_loader(d, spec)
+
+
+def _format_loader(d: DataConfig, spec: LoaderSpec) -> Loader:
     if d.format == "imagefolder":
         return ImageFolderLoader(d, spec)
     if d.format == "wds":

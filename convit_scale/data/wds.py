@@ -263,7 +263,7 @@ class WdsLoader:
         self.unique = math.ceil(self.num_samples / self.d.repeated_aug)
         self.partition_buffer = max(1, self.buffer_size // self.lanes)  # a group's lanes share one buffer's memory
         first = s.first_group * self.lanes
-        self.rank_partitions = list(range(first, first + s.groups // s.world_size * self.lanes))
+        self.rank_partitions = list(range(first, first + s.rank_groups * self.lanes))
         return self.d.repeated_aug * (self.unique // self.partitions) // self.views_per_step
 
     def __len__(self) -> int:
@@ -298,7 +298,8 @@ class WdsLoader:
     def _train_batches(self, epoch: int, start_batch: int):
         """The micro-batches from ``start_batch`` on: each step assembled from one item per worker, in order."""
         s, m = self.spec, self.spec.micro_batch_size
-        first_step, skip = divmod(start_batch, s.accum)
+        per_step = s.batches_per_step  # the rank's samples of a step in batches of m
+        first_step, skip = divmod(start_batch, per_step)
         workers = min(self.d.num_workers, len(self.rank_partitions))
         loader = DataLoader(_TrainEpoch(self, epoch, first_step, max(1, workers)), batch_size=None,
                             **loader_options(workers, s.seed, epoch))
@@ -311,9 +312,9 @@ class WdsLoader:
                     images, labels = images.pin_memory(), labels.pin_memory()
                 seeds = torch.cat([p.seeds for p in parts])
                 ids, bad = [i for p in parts for i in p.ids], [r for p in parts for r in p.bad]
-                for j in range(skip if step == first_step else 0, s.accum):
+                for j in range(skip if step == first_step else 0, per_step):
                     rows = slice(j * m, (j + 1) * m)
-                    yield Batch(images[rows], labels[rows], seeds[rows], bad if j == s.accum - 1 else [],
+                    yield Batch(images[rows], labels[rows], seeds[rows], bad if j == per_step - 1 else [],
                                 ids[rows])
         finally:
             items.close()

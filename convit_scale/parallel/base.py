@@ -56,6 +56,8 @@ class Strategy:
     norm_is_global = True
     """Whether the reduced ``grad_square_sum`` is the squared global gradient norm (else only its finiteness is:
     DeepSpeed reduces gradients into partitions of its own, and reports the norm itself)."""
+    layout_note: str | None = None
+    """A line for the run's log on the layout chosen at set-up (FSDP2: an HSDP replica count that did not fit)."""
 
     def __init__(self, model: nn.Module, p: ParallelConfig, device: torch.device, world_size: int,
                  grad_clip: float | None = None):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -12,16 +14,26 @@ from .base import Strategy, clip_, local_grads, square_sum
 from .dcp import DCPStateMixin
 
 
+def ranks_per_node(world_size: int) -> int:
+    """This node's ranks: torchrun's LOCAL_WORLD_SIZE, else Slurm's tasks per node of the step (srun starts the
+    ranks), else the whole world (one node)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        found = re.match(r"\d+", os.environ.get(key, ""))
+        if found:
+            return int(found.group())
+    return world_size
+
+
 class FSDP2Strategy(DCPStateMixin, Strategy):
     name = "fsdp2"
 
     def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
         p, model = self.p, self.module
-        if p.hsdp_replicas > 1:
-            if self.world_size % p.hsdp_replicas:
-                raise ValueError(f"parallel.hsdp_replicas = {p.hsdp_replicas} does not divide the world size "
-                                 f"{self.world_size}")
-            mesh = init_device_mesh(self.device.type, (p.hsdp_replicas, self.world_size // p.hsdp_replicas),
+        # HSDP from the ranks per node of this start (a requeue may bring fewer nodes): shard groups never straddle
+        # nodes, and a replica count that no longer fits the world does not stop a resume (DCP reshards)
+        replicas, self.layout_note = p.hsdp_mesh(self.world_size, ranks_per_node(self.world_size))
+        if replicas > 1:
+            mesh = init_device_mesh(self.device.type, (replicas, self.world_size // replicas),
                                     mesh_dim_names=("replicate", "shard"))
             # each shard is held by every replica: the first replica alone contributes it to the gradient norm
             self._counts_norm = mesh.get_local_rank("replicate") == 0

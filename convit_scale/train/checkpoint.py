@@ -74,9 +74,9 @@ RESUMABLE = (
     "data.train_path", "data.val_path", "data.num_workers", "data.eval_batch_size", "data.micro_batch_size",
     "data.open_retries", "data.open_retry_backoff_s", "data.max_bad_samples", "model.pretrained",
     "parallel.backend", "parallel.timeout_s", "parallel.activation_checkpointing", "parallel.compile",
-    "parallel.reshard_after_forward", "parallel.hsdp_replicas", "parallel.meta_init", "parallel.zero_*",
-    "distill.teacher_checkpoint", "checkpoint.*", "fault.*", "log.*", "run.output_dir", "run.eval_every_epochs",
-    "run.nonfinite_policy", "run.max_skipped_steps", "schedule.max_steps", "paper.*",
+    "parallel.reshard_after_forward", "parallel.hsdp_replicas", "parallel.hsdp_per_node", "parallel.meta_init",
+    "parallel.zero_*", "distill.teacher_checkpoint", "checkpoint.*", "fault.*", "log.*", "run.output_dir",
+    "run.eval_every_epochs", "run.nonfinite_policy", "run.max_skipped_steps", "schedule.max_steps", "paper.*",
 )
 """Recipe fields a resumed run may change: where the data and files are, how the work is laid out on the machine
 (memory knobs, the layout of the same strategy), how the run is logged, checkpointed and stopped. Every other

@@ -10,6 +10,7 @@ NCCL on GPUs, gloo on CPU, unless the recipe says otherwise.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..config import group_shares
 
 
 @dataclass
@@ -160,9 +162,10 @@ def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> 
 
 def check_world(cfg, world_size: int) -> tuple[int, int]:
     """The checks that need the world size, run by the launching process before any rank starts and again by
-    every rank at set-up: the strategy, the canonical groups (each rank takes whole groups: the run, and every
-    checkpoint of it, are then the same at any allowed world size), the global batch split into whole groups.
-    Returns (micro_batch, grad_accumulation)."""
+    every rank at set-up: the strategy, the canonical groups (each rank holds at least one whole group: the run, and
+    every checkpoint of it, are then the same at any world size up to the group count), the micro-batch in whole
+    groups. Returns (micro_batch, grad_accumulation): with unequal shares, the busiest rank's largest micro-batch and
+    the micro-batches every rank runs per step (data/geometry.py)."""
     if cfg.parallel.strategy == "none" and world_size > 1:
         raise ValueError(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
                          f"gradient sync: choose ddp, fsdp2 or zero1/2/3, or run one process")
@@ -174,9 +177,18 @@ def check_world(cfg, world_size: int) -> tuple[int, int]:
     problem = cfg.data.world_size_problem(world_size)
     if problem is not None:
         raise ValueError(problem)
+    g = batch // groups
+    if groups % world_size:  # unequal shares: micro-batches of whole groups, as many on every rank
+        busiest = max(group_shares(groups, world_size)) * g
+        micro = cfg.data.micro_batch_size or busiest
+        if micro % g:
+            raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of {g} "
+                             f"images (global batch {batch} in data.canonical_groups = {groups})")
+        accum = math.ceil(busiest / micro)
+        return math.ceil(busiest // g / accum) * g, accum
     micro, accum = solve_batch(batch, world_size, cfg.data.micro_batch_size)
-    if micro % (batch // groups):
+    if micro % g:
         raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of "
-                         f"{batch // groups} images (global batch {batch} in data.canonical_groups = {groups}): "
-                         f"choose a multiple of {batch // groups} that divides {batch // world_size}")
+                         f"{g} images (global batch {batch} in data.canonical_groups = {groups}): "
+                         f"choose a multiple of {g} that divides {batch // world_size}")
     return micro, accum

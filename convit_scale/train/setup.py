@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, model_options
+from ..config import Config, model_options, shares_note
 from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device
 from ..data.device_augment import config_of as device_augment_config
@@ -146,13 +146,19 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
+    note = shares_note(cfg.data.groups, ctx.world_size)
+    split = (f"micro {micro} x accumulation {accum} x world {ctx.world_size}" if note is None else
+             f"accumulation {accum} of micro-batches up to {micro} on {ctx.world_size} unequal ranks")
     log(ctx, f"{cfg.model.name} | strategy {cfg.parallel.strategy} | {ctx.world_size} rank(s) on {ctx.device.type} "
-             f"({ctx.backend}, launched by {ctx.launcher}) | global batch {cfg.data.global_batch_size} = micro "
-             f"{micro} x accumulation {accum} x world {ctx.world_size} | lr {lr:.3g} = {cfg.optim.base_lr:g} x "
-             f"{cfg.data.global_batch_size}/{cfg.optim.lr_reference_batch}")
+             f"({ctx.backend}, launched by {ctx.launcher}) | global batch {cfg.data.global_batch_size} = {split} | "
+             f"lr {lr:.3g} = {cfg.optim.base_lr:g} x {cfg.data.global_batch_size}/{cfg.optim.lr_reference_batch}")
+    if note:  # every rank runs `accum` micro-batches; the loss is weighted by the samples each holds (step.py)
+        log(ctx, note)
     train_loader, val_loader = _loaders(cfg, ctx, micro)
     steps_per_epoch, total_steps = _schedule_length(cfg, train_loader, accum)
     strategy, base_mem = _strategy(cfg, ctx, micro, accum, lr)
+    if strategy.layout_note:
+        log(ctx, strategy.layout_note)
     criterion, teacher = build_criterion(cfg, ctx.device)
     state = TrainState()
     if ckpt is not None:

@@ -13,6 +13,7 @@ import torch
 from .. import comm
 from ..data import Batch, DataError
 from ..data.device_augment import augment_batch, to_device
+from ..data.geometry import MicroPart
 from ..data.order import step_seed
 from ..data.transforms import seed_all
 from .memory import tensor_memory_mb
@@ -30,7 +31,7 @@ class StepTotals(NamedTuple):
     """The step's quantities summed over its micro-batches and over the ranks."""
 
     loss_sum: float
-    """Sum of the micro-batch losses."""
+    """Sum of the micro-batch losses, each times its samples (divided by the global batch: the step's mean loss)."""
     bad_loss: float
     """Micro-batches whose loss was not finite."""
     grad_sq: float
@@ -65,7 +66,7 @@ class StepStats:
 @dataclass
 class StepResult:
     loss: float
-    """Mean over micro-batches and ranks."""
+    """Mean over the global batch's samples (each micro-batch's mean loss weighted by its samples)."""
     grad_norm: float | None
     """The global gradient norm before clipping (None for a bad step, or where DeepSpeed holds it)."""
     bad: bool
@@ -136,28 +137,28 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
         state.consecutive_bad = 0
     state.step += 1
     bad = bool(totals.bad_loss or bad_grad)
-    return StepResult(totals.loss_sum / (run.accum * ctx.world_size), None if bad else norm, bad, totals.stop > 0,
+    return StepResult(totals.loss_sum / cfg.data.global_batch_size, None if bad else norm, bad, totals.stop > 0,
                       lr, bad_samples, ids, totals.save_due > 0, totals.log_due > 0)
 
 
-def _sample_draws(run: Run, state: TrainState, batch: Batch, m: int, size: tuple[int, int]) -> tuple:
-    """(drop-path decisions, Mixup plan) of micro-batch ``m`` on the device, or None each: drawn on the host from the
-    samples' seeds and the step's canonical groups, moved in one asynchronous copy per dtype."""
+def _sample_draws(run: Run, state: TrainState, batch: Batch, part: MicroPart, size: tuple[int, int]) -> tuple:
+    """(drop-path decisions, Mixup plan) of the micro-batch of canonical groups ``part`` on the device, or None each:
+    drawn on the host from the samples' seeds and the step's canonical groups, moved in one asynchronous copy per
+    dtype."""
     keep = None if batch.seeds is None else run.strategy.module.drop_path_keep(batch.seeds)
     plan = []
-    if run.mixup is not None:
-        spec = run.train_loader.spec
-        count = len(batch.labels) // spec.group_size  # whole groups: the micro-batch is a multiple of g
-        plan = run.mixup.plan(state.epoch, state.step, spec.first_group + m * count, count, *size)
+    if run.mixup is not None:  # whole groups: the micro-batch is part.groups groups of g
+        plan = run.mixup.plan(state.epoch, state.step, part.first_group, part.groups, *size)
     moved = to_device(([] if keep is None else [keep]) + plan, run.ctx.device)
     return (None if keep is None else moved[0]), (moved[-len(plan):] if plan else None)
 
 
 def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepStats) -> None:
     """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
-    device = run.ctx.device
+    device, spec = run.ctx.device, run.train_loader.spec
+    part = spec.micro_parts[m]
     x, y = batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
-    keep, plan = _sample_draws(run, state, batch, m, tuple(x.shape[-2:]))
+    keep, plan = _sample_draws(run, state, batch, part, tuple(x.shape[-2:]))
     if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
         x = augment_batch(x, batch.seeds, run.device_augment)
     target = y
@@ -168,9 +169,15 @@ def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepSt
     loss = run.criterion(x, logits, target)
     if run.faults is not None:
         loss = run.faults.apply(loss, state.step, m)
-    stats.add("loss_sum", loss.detach())
+    stats.add("loss_sum", loss.detach() * part.samples)
     stats.add("bad_loss", (~torch.isfinite(loss.detach())).double())
-    run.strategy.backward(loss, is_last_micro=m == run.accum - 1, grad_accum=run.accum)
+    # Every strategy averages the gradient over the ranks and the accumulation (DDP's all-reduce, FSDP2's
+    # reduce-scatter, DeepSpeed's mean, and ``grad_accum`` here): a micro-batch's mean loss times
+    # samples x world x accum / B makes that average the gradient of the global batch's mean loss whatever each
+    # rank holds (1 with equal shares; 0 for a repeat that only keeps the collectives in step).
+    weight = part.samples * run.ctx.world_size * run.accum / run.cfg.data.global_batch_size
+    run.strategy.backward(loss if weight == 1 else loss * weight, is_last_micro=m == run.accum - 1,
+                          grad_accum=run.accum)
 
 
 def _bad_step(run: Run, state: TrainState, what: str) -> None:
