@@ -60,7 +60,7 @@ import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .config import ParallelConfig, model_options
+from .config import ParallelConfig, group_shares, model_options
 from .data.device_augment import augment_on_device
 from .hardware import GPUS, LINK_EFFICIENCY
 from .models import create_model
@@ -470,8 +470,9 @@ def _row(cfg, facts: ModelFacts, layout: Layout, nodes: int, g: int, gpu: str, m
          cpus_per_gpu: float | None) -> dict:
     world, c = nodes * g, (4 if cfg.parallel.precision == "fp32" else 2)
     p = layout.apply(cfg.parallel)
-    global_batch = cfg.data.global_batch_size
-    per_rank = global_batch // world if global_batch % world == 0 else None
+    global_batch, groups = cfg.data.global_batch_size, cfg.data.groups
+    # the busiest rank's images: with unequal shares of the canonical groups the step waits for it
+    per_rank = max(group_shares(groups, world)) * (global_batch // groups) if world <= groups else None
     act = facts.act_ckpt_bytes_per_image if p.activation_checkpointing else facts.act_bytes_per_image
     budget = GPUS[gpu].memory_gib * 2**30 * 0.9 - (2**30 if gpu != "cpu" else 0)  # fragmentation, CUDA context
     device = "cpu" if gpu == "cpu" else "cuda"

@@ -4,6 +4,7 @@ first argument as before."""
 from __future__ import annotations
 
 import pytest
+import yaml
 from support import REPO
 
 from convit_scale.cli import main
@@ -66,10 +67,15 @@ def test_explain_prints_a_keys_documentation(capsys, monkeypatch):
 
 def test_world_size_check_is_the_ranks_own(capsys, monkeypatch):
     """slurm/launch.sh's check before srun is check_world, what every rank checks at set-up: a strategy that cannot
-    run on that many ranks is refused before any starts, as the groups that cannot be shared are."""
+    run on that many ranks is refused before any starts, as more ranks than canonical groups are."""
     monkeypatch.chdir(REPO)
     assert main(["config", "--recipe", DEMO, "--world-size", "2", "parallel.strategy=none"]) == 2
     assert "parallel.strategy = 'none' on 2 ranks" in capsys.readouterr().err
-    assert main(["config", "--recipe", "recipes/table1/convit_base_plus.yaml", "--world-size", "24"]) == 2
-    assert "24 ranks cannot share the 32 canonical groups" in capsys.readouterr().err
+    assert main(["config", "--recipe", "recipes/table1/convit_base_plus.yaml", "--world-size", "40"]) == 2
+    assert "40 ranks exceed the 32 canonical groups" in capsys.readouterr().err
+    # 3 of the 4 nodes: unequal shares, said in a YAML comment above the config (launch.sh's log)
+    assert main(["config", "--recipe", "recipes/table1/convit_base_plus.yaml", "--world-size", "24"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# 24 ranks hold 32 canonical groups unequally: 8 ranks x 2, 16 x 1; step time as for 16 "
+                          "ranks x 2\n") and yaml.safe_load(out)["data"]["canonical_groups"] == 32
     assert main(["config", "--recipe", DEMO, "--world-size", "2", "--get", "data.global_batch_size"]) == 0

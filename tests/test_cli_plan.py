@@ -85,18 +85,32 @@ def test_the_multi_node_slurm_jobs_run_the_recommended_layout(capsys):
         assert best["recipe_layout"], (job.path.name, best["layout"], own)
 
 
-@pytest.mark.parametrize("nodes", [3, 8])
+def test_the_b_plus_job_on_3_of_its_4_nodes_plans_unequal_shares(capsys):
+    """24 ranks hold ConViT-B+'s 32 canonical groups unequally (8 ranks x 2, 16 x 1): the step waits for the busiest
+    ranks, so its compute is that of 2 nodes (16 ranks x 2 groups of 16 images), not 512 / 24 images a rank."""
+    assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", "3", "--gpus-per-node", "8",
+                 "--gpu", "h200-141gb"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: 24 ranks hold 32 canonical groups unequally: 8 ranks x 2, 16 x 1; step time as for 16 ranks x 2"
+            in out) and "recommended: " in out
+    cfg = load_config("recipes/table1/convit_base_plus.yaml")
+    three, two = (plan(cfg, n, 8, "h200-141gb")[0] for n in (3, 2))
+    assert three["compute_s"] == two["compute_s"] and three["micro_batch"] * three["grad_accumulation"] == 32
+
+
+@pytest.mark.parametrize("nodes", [5, 8])
 def test_a_job_shape_the_launcher_refuses_is_refused_with_the_node_counts_that_work(nodes, capsys):
-    """Before: 3 x 8 said "does not fit" in every row and "no layout fits in memory" (0.3-2.9 GiB of 141 used), exit
-    0; 8 x 8 recommended a layout for 64 ranks. The cause is the launcher's: 24 or 64 ranks cannot share 32 canonical
-    groups. The plan refuses what `convit-scale config --world-size` and slurm/launch.sh refuse, in one line."""
+    """Before: 8 x 8 recommended a layout for 64 ranks. The cause is the launcher's: 40 or 64 ranks exceed 32
+    canonical groups (each rank holds at least one). The plan refuses what `convit-scale config --world-size` and
+    slurm/launch.sh refuse, in one line."""
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", str(nodes),
                  "--gpus-per-node", "8", "--gpu", "h200-141gb"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {nodes} node(s) x 8 GPUs: {nodes * 8} ranks cannot share the "
+    assert len(err) == 1 and err[0].startswith(f"error: {nodes} node(s) x 8 GPUs: {nodes * 8} ranks exceed the "
                                                f"32 canonical groups"), err
-    assert err[0].endswith("node counts that work with 8 GPUs per node: 1, 2, 4") and "recommended" not in captured.out
+    assert err[0].endswith("node counts that work with 8 GPUs per node: 1, 2, 3, 4") and "recommended" not in \
+        captured.out
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--nodes", "2", "--gpus-per-node", "8",
                  "--gpu", "h200-141gb"]) == 0
 

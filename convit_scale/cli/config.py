@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .argtypes import int_at_least, recipe
 
@@ -12,7 +13,7 @@ RECIPE_HELP = "a recipe file or a shipped recipe's name (recipes/cpu/demo.yaml)"
 
 
 def _cmd_config(args) -> int:
-    from ..config import explain, load_config
+    from ..config import explain, load_config, shares_note
 
     path, overrides = args.recipe, list(args.rest)
     if args.explain is not None and path is None and not overrides:  # a key's documentation, no recipe needed
@@ -33,6 +34,9 @@ def _cmd_config(args) -> int:
         from ..train.distributed import check_world
 
         check_world(cfg, args.world_size)  # what every rank checks again at set-up, and `plan` too
+        note = shares_note(cfg.data.groups, args.world_size)
+        if note:  # a YAML comment above the config (launch.sh prints it in the job's log)
+            print(f"# {note}", file=sys.stdout if args.get is None else sys.stderr)
     if args.get is None:
         print(cfg.to_yaml(), end="")
         return 0

@@ -93,6 +93,7 @@ def _cmd_plan(args) -> int:
 
 
 def _print_plan(cfg, args, nodes: int, gpus: int, links, cpus) -> None:
+    from ..config import shares_note
     from ..planner import plan, recommend
 
     rows = plan(cfg, nodes, gpus, args.gpu, args.mfu, links=links, cpus_per_gpu=cpus)
@@ -105,9 +106,9 @@ def _print_plan(cfg, args, nodes: int, gpus: int, links, cpus) -> None:
     print(f"time: compute = 3 x forward FLOPs{' ' + ' '.join(extra) if extra else ''} at an assumed MFU of "
           f"{args.mfu:.0%} of the GPU's peak (--mfu; `convit-scale bench mfu` measures it on the GPU); the hours leave "
           f"out evaluation, checkpoints, start-up and queueing")
-    world = nodes * gpus
-    if cfg.data.global_batch_size % world:
-        print(f"note: global batch {cfg.data.global_batch_size} does not divide over {world} GPUs")
+    note = shares_note(cfg.data.groups, nodes * gpus)
+    if note:  # the step's time above is the busiest rank's
+        print(f"note: {note}")
     best, own = recommend(rows), next(r for r in rows if r["recipe_layout"])
     if best is None:
         print("recommended: none: no layout fits in memory (more GPUs, or parallel.activation_checkpointing=true)")
