@@ -116,3 +116,19 @@ def test_patch_size_reaches_the_model():
     cfg = load_config(None, ["model.name=convit_micro", "model.img_size=28", "model.patch_size=7"])
     model = create_model(cfg.model.name, **model_options(cfg.model))
     assert model.patch_embed.patch_size == (7, 7) and model.patch_embed.num_patches == 16
+
+
+def test_the_hsdp_mesh_follows_the_ranks_per_node():
+    """parallel.hsdp_per_node: one replica per node, whatever the node count of this start (4 x 8, then 3 x 8 after
+    a node is lost); an explicit hsdp_replicas is kept where its shard groups stay inside nodes (or span whole ones),
+    else one replica per node with a line for the log, never a refusal (a resume on another world size)."""
+    from convit_scale.config import ParallelConfig
+
+    per_node = ParallelConfig(hsdp_per_node=True)
+    assert per_node.hsdp_mesh(32, 8) == (4, None) and per_node.hsdp_mesh(24, 8) == (3, None)
+    assert per_node.hsdp_mesh(8, 8) == (1, None) and ParallelConfig().hsdp_mesh(32, 8) == (1, None)
+    assert ParallelConfig(hsdp_replicas=4).hsdp_mesh(32, 8) == (4, None)
+    assert ParallelConfig(hsdp_replicas=2).hsdp_mesh(32, 8) == (2, None)  # shard groups of 2 whole nodes
+    assert ParallelConfig(hsdp_replicas=4).hsdp_mesh(24, 8) == (3, "parallel.hsdp_replicas = 4 does not fit 24 ranks "
+                                                                  "of 8 per node: 3 replica(s), one per node, instead")
+    assert ParallelConfig(hsdp_replicas=5).hsdp_mesh(24, 8)[0] == 3

@@ -15,10 +15,11 @@ STOP, TOTAL = 2, 6
 """The 4-rank run stops after step 2 (a checkpoint); every run is compared over TOTAL steps."""
 
 
-def _recipe(tmp, name: str, path, steps: int, strategy: str, micro: int | None):
+def _recipe(tmp, name: str, path, steps: int, strategy: str, micro: int | None, **parallel):
     """The tiny recipe (RandAugment, Mixup, CutMix, drop-path on) with 4 canonical groups of 8, at a learning rate
     (0.03 from the first step) that makes a step taken with wrongly weighted gradients show in the next losses."""
-    return tiny_recipe(tmp / f"{name}.yaml", "imagefolder", path, tmp / name, parallel={"strategy": strategy},
+    return tiny_recipe(tmp / f"{name}.yaml", "imagefolder", path, tmp / name,
+                       parallel={"strategy": strategy, **parallel},
                        data={"val_path": "", "canonical_groups": 4, "micro_batch_size": micro},
                        optim={"base_lr": 0.5}, schedule={"max_steps": steps, "warmup_epochs": 0},
                        checkpoint={"every_steps": STOP, "keep_last": 5},
@@ -32,7 +33,7 @@ def unequal(fm_tree, tmp_path_factory):
     runs = {}
     for name, strategy, micro in (("full1-fsdp2", "fsdp2", 8), ("full1-ddp", "ddp", None)):
         runs[name] = train_here(_recipe(tmp, name, fm_tree, TOTAL, strategy, micro))
-    part = _recipe(tmp, "part4-fsdp2", fm_tree, STOP, "fsdp2", 8)
+    part = _recipe(tmp, "part4-fsdp2", fm_tree, STOP, "fsdp2", 8, hsdp_replicas=2)  # 2 x 2 on 4 ranks
     runs["part4-fsdp2"] = run_many([{"recipe": part}], tmp / "launch4", nproc=4)[0]
     three = [{"recipe": _recipe(tmp, "full3-fsdp2", fm_tree, TOTAL, "fsdp2", 8)},
              {"recipe": _recipe(tmp, "full3-ddp", fm_tree, TOTAL, "ddp", None)},
@@ -68,9 +69,12 @@ def test_three_ranks_holding_four_groups_unequally_train_the_one_rank_run(unequa
 
 @pytest.mark.slow
 def test_four_ranks_stopped_resume_on_three(unequal):
+    """Stopped on 4 ranks as HSDP 2 x 2 (parallel.hsdp_replicas = 2), resumed on 3 ranks (one node of 3), where 2
+    replicas do not fit: one replica per node instead, said in the log, and the run goes on."""
     for name in ("full1-fsdp2", "part4-fsdp2", "part4-fsdp2-on3"):
         assert unequal[name][1] == 0, name
     out = unequal["part4-fsdp2-on3"][0]
     log = (out.parent / "launch3" / "output.txt").read_text()
     assert f"resumed step {STOP} from 4 rank(s) on 3" in log
+    assert "parallel.hsdp_replicas = 2 does not fit 3 ranks of 3 per node: 1 replica(s), one per node, instead" in log
     _assert_same_run(out, unequal["full1-fsdp2"][0])
