@@ -109,15 +109,31 @@ class Manifest:
     """Data read in place without class names (FFCV files): the labels' count, from the label column."""
     lone: bool = False
     """One FFCV file read in place: its one split serves whichever split is asked for."""
+    root: str = ""
+    """Where the files are when not beside the manifest (``prep index --out`` for read-only or remote shards): a
+    folder or a URL template with ``{name}``; written."""
+
+    @property
+    def shard_location(self) -> str:
+        """The folder or URL template the files are read from."""
+        return self.root or self.location
+
+    @property
+    def label_member(self) -> str:
+        """WebDataset: the member a sample's label is read from: ``cls``, or ``json:FIELD`` (``prep index --label``)."""
+        return str(self.options.get("label", "cls"))
 
     @property
     def num_classes(self) -> int:
-        return len(self.classes) or self.num_labels or 0
+        """The class names' count, else (data read in place) the labels': the label column's, or the largest label
+        of the samples per class + 1 (``prep index``); 0 when nothing says."""
+        seen = [int(k) for s in self.splits.values() for k in s.per_class]
+        return len(self.classes) or self.num_labels or (max(seen) + 1 if seen else 0)
 
     @property
     def folder(self) -> Path:
         """The folder that the files' names are relative to (a lone FFCV file's own folder)."""
-        path = Path(self.location)
+        path = Path(self.shard_location)
         return path.parent if path.suffix in FFCV_SUFFIXES and path.is_file() else path
 
     @property
@@ -177,6 +193,15 @@ class Manifest:
         return cls("ffcv", f"{location} (FFCV files)", {}, [], splits, location, num_labels=top + 1,
                    lone=len(files) == 1)
 
+    def require_whole(self, fraction: float) -> None:
+        """FFCV subsets (Table 2) are taken at load time from a whole .beton: one converted with a subset already
+        would give the product of the two fractions."""
+        if fraction < 1.0 and self.subset_fraction < 1.0:
+            raise DataError(f"{self.location}: the FFCV file holds a subset already (prep --subset-fraction "
+                            f"{self.subset_fraction:g}); data.subset_fraction = {fraction:g} would keep "
+                            f"{fraction * self.subset_fraction:g} of each class; allowed: a .beton of the whole train "
+                            f"set (FFCV subsets are taken at load time), or data.subset_fraction = 1.0")
+
     def require_subset(self, fraction: float) -> None:
         """WebDataset subsets (Table 2) are made at conversion: the shards must hold the recipe's fraction."""
         if not math.isclose(self.subset_fraction, fraction):
@@ -185,8 +210,9 @@ class Manifest:
                             f"(WebDataset subsets are made at conversion)")
 
     def to_dict(self) -> dict:
+        root = {"root": self.root} if self.root else {}
         return {"format": self.format, "source": self.source, "options": self.options, "classes": self.classes,
-                "splits": {k: s.to_dict() for k, s in self.splits.items()}}
+                "splits": {k: s.to_dict() for k, s in self.splits.items()}, **root}
 
     @classmethod
     def from_dict(cls, d: dict, location: str = "") -> "Manifest":
@@ -195,7 +221,8 @@ class Manifest:
             if fmt not in FORMATS:
                 raise ValueError(f"format {fmt!r}; allowed: {' or '.join(FORMATS)}")
             return cls(fmt, str(d.get("source", "")), dict(d.get("options", {})), list(d["classes"]),
-                       {k: Split.from_dict(v) for k, v in d.get("splits", {}).items()}, location)
+                       {k: Split.from_dict(v) for k, v in d.get("splits", {}).items()}, location,
+                       root=str(d.get("root", "")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"no {e}" if isinstance(e, KeyError) else str(e)
             raise DataError(f"{location}: {MANIFEST} is not a prep manifest ({what}); convert with "
@@ -220,6 +247,17 @@ class Manifest:
         path = Path(folder) / MANIFEST
         write_json_atomic(path, self.to_dict())
         return path
+
+
+def read_label(payload: bytes, member: str = "cls") -> int:
+    """A WebDataset sample's label from its label member's bytes (``Manifest.label_member``): a ``.cls`` member's
+    integer, or with ``json:FIELD`` that field of the ``.json`` member; ValueError, KeyError or TypeError when it is
+    not an integer there."""
+    _, _, field = member.partition(":")
+    value = json.loads(payload)[field] if field else payload
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"{value!r} is not an integer")
+    return int(value)
 
 
 def described(location: str) -> bool:

@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 
 from convit_scale.imagetree import list_classes, scan_split, subsample
-from convit_scale.manifest import DataError, Manifest, described, read_ffcv_labels
+from convit_scale.manifest import DataError, Manifest, described, read_ffcv_labels, read_label
 
 from .checks import class_counts, sha256_file
 
@@ -36,7 +36,7 @@ def verify(out: str | Path, src: str | Path | None = None) -> list[str]:
             if "sha256" in rec and sha256_file(path) != rec["sha256"]:
                 problems.append(f"{path}: checksum differs from the manifest (corrupt or changed)")
             try:
-                labels = _read_labels(path, manifest.format)
+                labels = _read_labels(path, manifest.format, manifest.label_member)
             except Exception as e:  # a truncated tar or beton is reported, not raised
                 problems.append(f"{path}: unreadable ({type(e).__name__}: {e})")
                 continue
@@ -85,14 +85,14 @@ def _opt_path(value: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-def _read_labels(path: Path, fmt: str) -> list[int]:
+def _read_labels(path: Path, fmt: str, label: str = "cls") -> list[int]:
     if fmt == "ffcv":
         return read_ffcv_labels(path).tolist()
-    labels = []
+    labels, ext = [], "." + label.partition(":")[0]
     with tarfile.open(path, "r") as tar:
         for member in tar:
-            if member.name.endswith(".cls"):
-                labels.append(int(tar.extractfile(member).read()))
+            if member.name.endswith(ext):
+                labels.append(read_label(tar.extractfile(member).read(), label))
             elif member.name.endswith(".jpg"):
                 tar.extractfile(member).read()  # read the bytes: a truncated member raises
     return labels

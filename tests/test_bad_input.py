@@ -185,6 +185,15 @@ def _missing_beton(fm_ffcv: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _subset_beton(fm_ffcv: Path, tmp_path: Path) -> Path:
+    """A .beton converted with a Table 2 subset already (as its manifest records it)."""
+    copy = _ffcv_copy(fm_ffcv, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["options"]["subset_fraction"] = 0.5
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
 TRAIN_CASES = [  # (id, data fixture or maker, format, overrides, words in the error line)
     ("dataset smaller than the global batch", "fm_wds", "wds", ["data.global_batch_size=2048"],
      ["holds 1000 training images", "data.global_batch_size = 2048", "allowed: data.global_batch_size <= 1000"]),
@@ -196,6 +205,8 @@ TRAIN_CASES = [  # (id, data fixture or maker, format, overrides, words in the e
                                                          "allowed: data.format = 'wds'"]),
     ("ffcv folder given as wds", "fm_ffcv", "wds", [], ["holds ffcv data", "allowed: data.format = 'ffcv'"]),
     ("prepared folder given as imagefolder", "fm_wds", "imagefolder", [], ["no train folder", "data.format"]),
+    ("ffcv subset of a subset", _subset_beton, "ffcv", ["data.subset_fraction=0.5"],
+     ["holds a subset already (prep --subset-fraction 0.5)", "would keep 0.25 of each class", "allowed"]),
     ("truncated .beton", _truncated_beton, "ffcv", [], ["data.train_path", ".beton has", "truncated",
                                                          "prep verify"]),
     ("missing .beton", _missing_beton, "ffcv", [], ["data.val_path", ".beton is missing", "manifest.json"]),

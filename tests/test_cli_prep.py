@@ -35,7 +35,7 @@ def test_each_kind_shows_only_its_own_options():
     (["wds", "--jpeg-quality", "95"], "prep ffcv"),
     (["wds", "--write-mode", "raw"], "prep ffcv"),
     (["verify", "OUT", "--shard-size", "5"], "prep wds"),
-    (["verify", "OUT", "--out", "X"], "prep ffcv / wds / fashion-mnist"),
+    (["verify", "OUT", "--out", "X"], "prep ffcv / wds / index / fashion-mnist"),
 ])
 def test_an_option_of_another_kind_is_refused_naming_its_kind(argv, owner, tmp_path, capsys):
     kind, flag = argv[0], next(a for a in argv if a.startswith("--")).split("=")[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..hardware import usable_cpus
 from .argtypes import fraction, int_between, positive_int
 
-KINDS = ("ffcv", "wds", "verify", "fashion-mnist")
+KINDS = ("ffcv", "wds", "index", "verify", "fashion-mnist")
 
 
 def _cmd_convert(args) -> int:
@@ -43,6 +43,17 @@ def _cmd_verify(args) -> int:
     checked = "every file matches the manifest" + (f", and the manifest matches {args.src}" if args.src else "")
     print(f"verified {args.dir}: {checked}" if not problems else f"{args.dir}: {len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def _cmd_index(args) -> int:
+    from data_prep.index import index
+
+    manifest = index(args.src, args.out, label=args.label, split=args.split, workers=args.workers)
+    for split, info in manifest.splits.items():
+        print(f"{split}: {info.num_samples} samples in {len(info.files)} shard(s), {len(info.per_class)} labels")
+    where = Path(args.out or args.src)
+    print(f"manifest: {where / 'manifest.json'}; train from it with data.format=wds data.train_path={where}")
+    return 0
 
 
 def _cmd_fashion_mnist(args) -> int:
@@ -88,6 +99,19 @@ def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
     _convert_options(p, "wds")
     p.add_argument("--shard-size", type=positive_int, default=1000, help="samples per shard")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed before sharding")
+    p = parsers["index"] = prep_sub.add_parser(
+        "index", help="index WebDataset shards another tool wrote, to train on them where they lie",
+        description="Read each shard once (tar headers and label members, no image decoded) and write a "
+                    "manifest.json: samples per shard and per class. The shards are not copied or changed.")
+    p.add_argument("src", metavar="SRC", help="a folder of WebDataset shards (*.tar; KEY.jpg with KEY.cls or KEY.json)")
+    p.add_argument("--out", help="write the manifest here instead of into SRC (a read-only SRC); train from --out")
+    p.add_argument("--label", default="cls", help="where a sample's label is: cls (KEY.cls, the default) or "
+                                                   "json:FIELD (a field of KEY.json, e.g. json:label)")
+    p.add_argument("--split", help="the split of every shard (default: read from each shard's name: train, val or "
+                                   "validation in it)")
+    p.add_argument("--workers", type=positive_int, default=usable_cpus(),
+                   help="parallel processes (default: the CPUs this process may use, here %(default)s)")
+    p.set_defaults(func=_cmd_index)
     p = parsers["verify"] = prep_sub.add_parser("verify", help="re-read a prepared folder, compare it to its manifest",
                                                 description="Re-read every file of DIR and compare it with DIR's "
                                                             "manifest.json; with --src, also the source tree.")

@@ -50,6 +50,7 @@ def subset_indices(manifest: Manifest, split: str, fraction: float,
     each class in file order (``prep ffcv`` writes sorted (class, file) order: the first files of each class), from
     the file's label column."""
     info = manifest.split(split)
+    manifest.require_whole(fraction)
     (name,) = info.files
     path = manifest.folder / name
     if fraction >= 1.0:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from webdataset.gopen import gopen
 
+from ..manifest import read_label
 from .faults import DataError, reason_of
 
 
@@ -69,19 +70,21 @@ def _open_stream(url: str):
     return open(url, "rb")
 
 
-def _tar_samples(tar, where: list):
+def _tar_samples(tar, where: list, label: str = "cls"):
     """(key, jpg, label, reason) of each sample of an open tar stream, in order; ``where[0]`` holds the key being
-    read. A sample without both members or with an unreadable label comes with a reason instead of data. Other
-    members of a sample (timm's ``.json`` sidecar, before or after the two) are read past."""
+    read. The label is the ``.cls`` member, or with ``label="json:FIELD"`` that field of the ``.json`` member
+    (``Manifest.label_member``). A sample without both members or with an unreadable label comes with a reason
+    instead of data. Other members of a sample (timm's ``.json`` sidecar, before or after the two) are read past."""
     key, jpg, cls, given = None, None, None, None
+    label_ext, _, field = label.partition(":")  # the field: named in a refusal
 
     def sample():
         if jpg is None or cls is None:
-            return key, None, None, f"incomplete sample (no .{'jpg' if jpg is None else 'cls'} member)"
+            return key, None, None, f"incomplete sample (no .{'jpg' if jpg is None else label_ext} member)"
         try:
-            return key, jpg, int(cls), None
-        except ValueError:
-            return key, None, None, f"unreadable label {cls[:20]!r}"
+            return key, jpg, read_label(cls, label), None
+        except (ValueError, KeyError, TypeError):
+            return key, None, None, f"unreadable label {cls[:40]!r}" + (f" (field {field!r})" if field else "")
 
     for member in tar:
         stem, _, ext = member.name.rpartition(".")
@@ -97,7 +100,7 @@ def _tar_samples(tar, where: list):
             raise tarfile.ReadError(f"member {member.name} truncated")
         if ext == "jpg":
             jpg = payload
-        elif ext == "cls":
+        elif ext == label_ext:
             cls = payload
         if jpg is not None and cls is not None:
             yield sample()
@@ -106,7 +109,8 @@ def _tar_samples(tar, where: list):
         yield sample()
 
 
-def shard_samples(location: str, name: str, count: int, retries: int, backoff_s: float, sleep=time.sleep):
+def shard_samples(location: str, name: str, count: int, retries: int, backoff_s: float, sleep=time.sleep,
+                  label: str = "cls"):
     """The ``count`` samples of one shard, in order, as (key, jpg, label, reason); ``reason`` (else None) says
     why a sample has no data. A shard that fails to open or to stream is reopened after backoff_s, 2 x
     backoff_s, ... (``retries`` times), skipping the samples already delivered; a local file that is not a
@@ -122,7 +126,7 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
             stream = _open_stream(url)
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 opened, position = True, 0
-                for item in _tar_samples(tar, where):
+                for item in _tar_samples(tar, where, label):
                     if position >= delivered:
                         yield item
                         delivered += 1

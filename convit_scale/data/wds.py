@@ -196,7 +196,8 @@ class _EvalEpoch(IterableDataset):
                 lo = int(offsets[si])
                 if lo + count <= lo_pos or lo > hi_pos:
                     continue
-                samples = shard_samples(ld.location, name, count, ld.d.open_retries, ld.d.open_retry_backoff_s)
+                samples = shard_samples(ld.location, name, count, ld.d.open_retries, ld.d.open_retry_backoff_s,
+                                        label=ld.label)
                 url = shard_url(ld.location, name)
                 for off, (key, jpg, label, reason) in enumerate(samples):
                     for _ in range(counts.get(lo + off, 0)):
@@ -241,6 +242,7 @@ class WdsLoader:
     def __init__(self, d: DataConfig, spec: LoaderSpec, buffer_size: int = 2000):
         self.location = d.train_path if spec.train else d.val_path
         manifest = Manifest.read(self.location)
+        self.location, self.label = manifest.shard_location, manifest.label_member  # `prep index --out`: elsewhere
         split = manifest.split(spec.split)
         if spec.train:
             manifest.require_subset(d.subset_fraction)
@@ -275,7 +277,8 @@ class WdsLoader:
         start = 0
         for name, count in order:
             if start < hi and start + count > lo:
-                samples = shard_samples(self.location, name, count, self.d.open_retries, self.d.open_retry_backoff_s)
+                samples = shard_samples(self.location, name, count, self.d.open_retries, self.d.open_retry_backoff_s,
+                                        label=self.label)
                 url = shard_url(self.location, name)
                 for off, (key, jpg, label, reason) in enumerate(samples):
                     if start + off >= hi:

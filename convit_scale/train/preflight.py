@@ -124,6 +124,8 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
             info, n_classes = manifest.split(split), manifest.num_classes
             if split == "train" and d.format == "wds":
                 manifest.require_subset(d.subset_fraction)
+            elif split == "train" and d.format == "ffcv":
+                manifest.require_whole(d.subset_fraction)
         except DataError as e:
             raise DataError(f"data.{key}: {e}") from e
         if split == "train" and d.format == "ffcv":  # the subset is taken at load time: first files of each class
