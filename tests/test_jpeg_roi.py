@@ -99,3 +99,37 @@ def test_without_the_library_the_whole_decode_then_the_crop_and_one_warning(monk
         assert not jpeg_roi.warn_if_missing("the test loader") and not jpeg_roi.warn_if_missing("the test loader")
     assert [r.getMessage() for r in caplog.records] == [
         "the test loader: decoding whole JPEGs, then cropping (same pixels, more CPU): not built (a test)"]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["full recipe", "crop and flip"])
+def test_webdataset_train_samples_are_unchanged(on_device, monkeypatch):
+    """The WebDataset train path opens a JPEG's header and decodes its crop box alone: the same tensors as the whole
+    decode, for every sample (greyscale, progressive, CMYK through PIL's whole decode), and the same replacement of
+    a JPEG that cannot be decoded."""
+    from convit_scale.config import DataConfig
+    from convit_scale.data import wds
+    from convit_scale.data.faults import decode_rgb, next_good
+    from convit_scale.data.transforms import build_train_transform, image_opener
+
+    pixels = photo_like(375, 500, seed=5)
+    jpegs = [encode(pixels, quality=90), encode(pixels[:333, :499], "L", quality=85),
+             encode(pixels, quality=80, progressive=True), encode(pixels[:200, :300], "CMYK", quality=90),
+             encode(pixels[:240], quality=90, subsampling=1)[:700], encode(pixels[::2], quality=95, subsampling=0)]
+    chunk = [("shard", f"k{n}", jpg, n, None) for n, jpg in enumerate(jpegs * 3)]
+    transform = build_train_transform(DataConfig(), 64, on_device)
+    assert image_opener(transform) is not decode_rgb
+
+    def run():
+        def replacement(i, failed):
+            return wds._decodable(chunk[next_good(failed, i, len(chunk))])
+        return wds.decode_chunk(chunk, list(range(100, 100 + len(chunk))), transform, replacement, "a test")
+
+    before = jpeg_roi.counts()
+    images, labels, bad = run()
+    used = jpeg_roi.counts()["decoded"] - before["decoded"]
+    monkeypatch.setattr(wds, "image_opener", lambda t: decode_rgb)  # as before: every image decoded whole
+    ref_images, ref_labels, ref_bad = run()
+    assert jpeg_roi.counts()["decoded"] - before["decoded"] == used >= 9  # the boxes of 3 x 3 JPEGs at least
+    assert labels == ref_labels and [b["key"] for b in bad] == [b["key"] for b in ref_bad] == ["k4", "k10", "k16"]
+    assert [b["reason"] for b in bad] == [b["reason"] for b in ref_bad]
+    assert all(a.equal(b) for a, b in zip(images, ref_images, strict=True))

@@ -10,6 +10,7 @@ DataError naming the last shard or file and the limit.
 from __future__ import annotations
 
 import io
+from typing import NamedTuple
 
 from PIL import Image, UnidentifiedImageError
 
@@ -25,6 +26,30 @@ def decode_rgb(data: bytes) -> Image.Image:
         return Image.open(io.BytesIO(data)).convert("RGB")
     except UnidentifiedImageError:  # its message names the buffer's address: the same reason on every run
         raise UnidentifiedImageError("cannot identify image data") from None
+
+
+class UndecodedJpeg(NamedTuple):
+    """A JPEG opened but not decoded, for a train transform that decodes only its crop box (``transforms.py``)."""
+
+    data: bytes
+    header: Image.Image
+    """PIL's image of ``data`` with only its header read: its size, from which the box is drawn."""
+
+
+class CropDecodeError(Exception):
+    """An ``UndecodedJpeg`` that failed when its crop was decoded: its ``__cause__`` is what PIL raised."""
+
+
+def open_jpeg_or_decode(data: bytes) -> Image.Image | UndecodedJpeg:
+    """A JPEG's header only (an ``UndecodedJpeg``), else the image decoded in RGB (``decode_rgb``). Bytes that are no
+    image at all are refused here, as by ``decode_rgb``; a JPEG's corrupt data only when its crop is decoded."""
+    try:
+        header = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise UnidentifiedImageError("cannot identify image data") from None
+    if header.format == "JPEG" and header.mode in ("RGB", "L"):
+        return UndecodedJpeg(data, header)
+    return header.convert("RGB")
 
 
 def reason_of(e: BaseException) -> str:

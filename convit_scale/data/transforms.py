@@ -7,6 +7,9 @@ Mixup 0.8 / CutMix 1.0 with label smoothing act on the canonical groups of a bat
 
 With the augmentation on the training device (``LoaderSpec.augment_on_device``) the loaders stop at uint8
 tensors: train after the crop and flip, eval after the resize and centre crop; device_augment.py does the rest.
+
+The train transform's crop takes a JPEG opened but not decoded (``faults.UndecodedJpeg``) too, and then decodes only
+its box (``CropDecodingResizedCrop``): the same box and pixels as timm's crop of the decoded image.
 """
 
 from __future__ import annotations
@@ -15,24 +18,78 @@ import random
 
 import numpy as np
 import torch
+from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
-from timm.data.transforms import MaybePILToTensor
+from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation
 from torchvision.transforms import Compose
+from torchvision.transforms import functional as F
 
+from .. import jpeg_roi
 from ..config import DataConfig
+from .faults import DECODE_ERRORS, CropDecodeError, UndecodedJpeg, decode_rgb, open_jpeg_or_decode
+
+
+class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
+    """timm's RandomResizedCropAndInterpolation that also takes an ``UndecodedJpeg``: the box drawn from
+    its header's size with timm's own draws (the same calls, so the same box and the same generator state after it),
+    only the box decoded (``jpeg_roi``: PIL's pixels, bit for bit), then resized as timm's ``F.resized_crop`` resizes
+    the crop. Where the crop-region decoder is missing or refuses the JPEG (CMYK, corrupt data inside the box), PIL
+    decodes the whole image, as before; a failure then is a ``CropDecodeError`` (the loader replaces the sample).
+    A JPEG corrupt only below its box is not read that far: it trains (the whole decode would have refused it)."""
+
+    @classmethod
+    def of(cls, crop: RandomResizedCropAndInterpolation) -> "CropDecodingResizedCrop":
+        """The same crop (size, scale, ratio, interpolation as timm built them)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(crop.__dict__)
+        return new
+
+    def __call__(self, img):
+        if not isinstance(img, UndecodedJpeg):
+            return super().__call__(img)
+        i, j, h, w = self.get_params(img.header, self.scale, self.ratio)
+        interpolation = self.interpolation
+        if isinstance(interpolation, (tuple, list)):
+            interpolation = random.choice(interpolation)
+        box = jpeg_roi.decode_box(img.data, i, j, h, w)
+        if box is not None:
+            return F.resized_crop(Image.fromarray(box), 0, 0, h, w, self.size, interpolation)
+        try:
+            whole = img.header.convert("RGB")
+        except DECODE_ERRORS as e:
+            raise CropDecodeError() from e
+        return F.resized_crop(whole, i, j, h, w, self.size, interpolation)
+
+
+def _crop_decoding(transform: Compose) -> Compose:
+    """``transform`` with its first step, timm's random resized crop, taking undecoded JPEGs too."""
+    if type(transform.transforms[0]) is not RandomResizedCropAndInterpolation:
+        raise TypeError(f"timm's train transform starts with {transform.transforms[0]!r}, not its resized crop")
+    transform.transforms[0] = CropDecodingResizedCrop.of(transform.transforms[0])
+    return transform
+
+
+def image_opener(transform):
+    """How a loader opens an image for ``transform``: a JPEG's header only when the transform's crop decodes its box
+    alone (the train transform, with jpeg_roi's library: else said once), anything else decoded whole."""
+    first = getattr(transform, "transforms", [None])[0]
+    if isinstance(first, CropDecodingResizedCrop) and jpeg_roi.warn_if_missing("the WebDataset train loader"):
+        return open_jpeg_or_decode
+    return decode_rgb
 
 
 def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False):
-    """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor."""
+    """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor. Its crop
+    takes a decoded image or an ``UndecodedJpeg`` (``CropDecodingResizedCrop``)."""
     if on_device:
         primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale),
                                          hflip=d.hflip, interpolation=d.interpolation, separate=True)
-        return Compose([*primary.transforms, MaybePILToTensor()])
-    return create_transform(
+        return _crop_decoding(Compose([*primary.transforms, MaybePILToTensor()]))
+    return _crop_decoding(create_transform(
         input_size=img_size, is_training=True, scale=tuple(d.crop_scale), hflip=d.hflip,
         color_jitter=d.color_jitter, auto_augment=d.rand_augment, interpolation=d.interpolation,
         re_prob=d.reprob, re_mode="pixel", re_count=1,
-    )
+    ))
 
 
 def build_eval_transform(d: DataConfig, img_size: int, on_device: bool = False):

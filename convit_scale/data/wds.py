@@ -31,11 +31,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ..config import DataConfig
 from ..manifest import Manifest
 from .batch import Batch
-from .faults import DECODE_ERRORS, DataError, decode_rgb, limit_bad_samples, next_good, reason_of
+from .faults import DECODE_ERRORS, CropDecodeError, DataError, decode_rgb, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec, eval_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
 from .shards import shard_samples, shard_url, shuffle_buffer
-from .transforms import build_eval_transform, build_train_transform, seed_host
+from .transforms import build_eval_transform, build_train_transform, image_opener, seed_host
 from .workers import iterate, loader_options
 
 __all__ = ["WdsLoader", "lanes_per_group"]
@@ -58,17 +58,21 @@ def decode_chunk(chunk: list, seeds, transform, replacement, where: str):
     An item that cannot be read or decoded takes the (image, label) that ``replacement(i, failed)`` gives (None:
     a DataError naming ``where``), augmented with its own seed."""
     images, labels, failed = [None] * len(chunk), [None] * len(chunk), {}
+    decode = image_opener(transform)  # train: a JPEG's header; its crop box alone is decoded by the transform
     for i, (url, key, jpg, label, reason) in enumerate(chunk):
         if reason is None:
             try:
-                img = decode_rgb(jpg)
+                img = decode(jpg)
             except DECODE_ERRORS as e:
                 reason = f"undecodable image ({reason_of(e)})"
-        if reason is not None:
-            failed[i] = {"shard": url, "key": key, "reason": reason}
-            continue
-        seed_host(int(seeds[i]))
-        images[i], labels[i] = transform(img), label
+        if reason is None:
+            seed_host(int(seeds[i]))
+            try:
+                images[i], labels[i] = transform(img), label
+                continue
+            except CropDecodeError as e:
+                reason = f"undecodable image ({reason_of(e.__cause__)})"
+        failed[i] = {"shard": url, "key": key, "reason": reason}
     for i, record in failed.items():
         found = replacement(i, failed)
         if found is None:
