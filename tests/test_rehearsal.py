@@ -164,19 +164,21 @@ def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
         "per-step losses equal the uninterrupted job's up to the stop, within 0.001 after it"]
 
 
-def test_the_recipe_takes_whole_groups_on_both_world_sizes(tmp_path):
-    """The rehearsal's recipe at 32 ranks requeued onto 24: 96 canonical groups of 2 images, 192 images a step (6 per
-    rank, then 8), both world sizes allowed."""
+def test_the_recipe_is_the_scripts_own_batch_and_groups(tmp_path):
+    """The rehearsal's recipe for slurm/convit_base_plus.sh: ConViT-B+'s global batch 512 in 32 canonical groups, on
+    its 32 ranks and on 24 after losing a node (unequal shares: 8 ranks x 2 groups, 16 x 1); 4 steps an epoch of
+    training data; FSDP2 as HSDP with one replica per node at each start."""
     from convit_scale.config import load_config
-    from convit_scale.rehearsal.run import write_recipe
+    from convit_scale.rehearsal.run import layout, read_script, recipe_batch, train_per_class, write_recipe
 
-    r = write_recipe(tmp_path / "r.yaml", tmp_path / "data", tmp_path / "out", {"strategy": "fsdp2"}, 8, 32, 24)
-    data = load_config(r, []).data
-    assert (data.global_batch_size, data.groups) == (192, 96)
-    assert data.world_size_problem(32) is None and data.world_size_problem(24) is None
-    assert "allowed world sizes" in data.world_size_problem(20)
-    same = load_config(write_recipe(tmp_path / "s.yaml", tmp_path / "data", tmp_path / "o", {}, 8, 32), []).data
-    assert (same.global_batch_size, same.groups) == (64, 32)
+    shape = read_script(REPO / "slurm" / "convit_base_plus.sh")
+    batch = recipe_batch(shape)
+    assert batch == (512, 32) and train_per_class(512) * 10 // 512 == 4
+    r = write_recipe(tmp_path / "r.yaml", tmp_path / "data", tmp_path / "out", layout(shape, []), 8, batch)
+    cfg = load_config(r, [])
+    assert (cfg.data.global_batch_size, cfg.data.groups) == (512, 32) and cfg.parallel.hsdp_per_node
+    assert cfg.data.world_size_problem(32) is None and cfg.data.world_size_problem(24) is None
+    assert "at most 32 ranks" in cfg.data.world_size_problem(40)
 
 
 def test_the_command_runs_from_any_folder(tmp_path):

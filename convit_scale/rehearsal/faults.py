@@ -34,6 +34,7 @@ from .run import (
     losses_differ,
     prepare_data,
     read_script,
+    recipe_batch,
     run_uninterrupted,
     steps_and_losses,
     submit,
@@ -147,12 +148,11 @@ def rehearse_faults(args, shape, parallel: dict) -> dict:
     kinds = KINDS if args.fault == "all" else (args.fault,)
     out = (REPO / args.out).resolve()
     t0 = time.time()
-    data = prepare_data(out / "data")
-    requeue_world = (shape.nodes - 1) * shape.tasks_per_node if "node" in kinds and shape.nodes > 1 else None
+    batch = recipe_batch(shape)  # the node loss resumes on one node fewer: unequal shares where they do not divide
+    data = prepare_data(out / "data", batch[0])
     extra = {"checkpoint": {"every_steps": 2, "keep_last": 4}, "fault": FAULT_SECTION,
              "data": {"num_workers": 1 if "worker" in kinds else 0}}
-    recipe = write_recipe(out / "recipe.yaml", data, out / "uninterrupted", parallel, args.steps, shape.world,
-                          requeue_world, extra=extra)
+    recipe = write_recipe(out / "recipe.yaml", data, out / "uninterrupted", parallel, args.steps, batch, extra=extra)
     names = ["uninterrupted"] + [f"fault_{k}" for k in kinds]
     for name in names:
         shutil.rmtree(out / name, ignore_errors=True)

@@ -3,20 +3,22 @@
     python -m convit_scale.rehearsal [--script slurm/convit_base_plus.sh] [--out runs/rehearsal] [overrides ...]
     python -m convit_scale.rehearsal --fault all|kill|stop|worker|node   (unplanned failures: rehearsal/faults.py)
 
-starts the local Slurm cluster (cluster.py) with the script's nodes, each declaring as many CPUs and
-count-only GPUs as the script has tasks per node (4 x 8 for convit_base_plus.sh), and submits the script itself: its
-#SBATCH shape, ``slurm/launch.sh``, one interpreter per rank (srun). Only the CPUs per task (1) and the recipe
-change: a tiny ConViT on Fashion-MNIST WebDataset shards from ``data_prep``, ``data.num_workers: 0``, and the
-parallel layout of the script's own recipe (by default with HSDP replicas = nodes; overrides after the options
-change it). It submits the job with a node range (``--nodes=R-N``, R = ``--requeue-nodes``, by default one node
-fewer than the script's N), lets it train on all N nodes, sends the pre-timeout signal the script asks for
-(``--signal=USR1@300``) and drains one node, so that the requeued job comes back on R nodes, as on a cluster where
-a node failed its health check. It checks that every rank saved the same step, that the job requeued, resumed on
-R x tasks-per-node ranks ("resumed step S from W1 ranks on W2 ranks") and finished, and that its per-step losses
-equal those of the same script's job run without interruption on N nodes: exactly up to the stop, within 1e-5
-(relative) after it when the world size changed (another reduction order). It prints the goodput figures (signal to
-checkpoint published, requeue to the first new step, steps lost) and writes them with every check, the ranks'
-node mapping and the memory to ``OUT/rehearsal.json``. Exit status: 0 all checks passed, 1 a check failed, 2 bad input.
+starts the local Slurm cluster (cluster.py) with the script's nodes, each declaring as many CPUs and count-only GPUs
+as the script has tasks per node (4 x 8 for convit_base_plus.sh), and submits the script itself: its #SBATCH shape,
+``slurm/launch.sh``, one interpreter per rank (srun). Only the CPUs per task (1) and the recipe change: a tiny
+ConViT on Fashion-MNIST WebDataset shards from ``data_prep``, ``data.num_workers: 0``, and the parallel layout of
+the script's own recipe (by default FSDP2 as HSDP with one replica per node, shaped at each start; overrides after
+the options change it), and the recipe's own global batch and canonical groups (ConViT-B+: 512 in 32 groups; on 24
+ranks after the requeue, unequal shares: 8 ranks x 2 groups, 16 x 1). It submits the job with a node range
+(``--nodes=R-N``, R = ``--requeue-nodes``, by default one node fewer than the script's N), lets it train on all N
+nodes, sends the pre-timeout signal the script asks for (``--signal=USR1@300``) and drains one node, so that the
+requeued job comes back on R nodes, as on a cluster where a node failed its health check. It checks that every rank
+saved the same step, that the job requeued, resumed on R x tasks-per-node ranks ("resumed step S from W1 ranks on W2
+ranks") and finished, and that its per-step losses equal those of the same script's job run without interruption on
+N nodes: exactly up to the stop, within 1e-5 (relative) after it when the world size changed (another reduction
+order). It prints the goodput figures (signal to checkpoint published, requeue to the first new step, steps lost)
+and writes them with every check, the ranks' node mapping and the memory to ``OUT/rehearsal.json``. Exit status: 0
+all checks passed, 1 a check failed, 2 bad input.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from pathlib import Path
 from .. import slurm_scripts
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN_PER_CLASS, VAL_PER_CLASS = 50, 20  # 500 and 200 images: not multiples of 32 or 24 ranks, so the epochs pad
+VAL_PER_CLASS = 20  # 200 images: not a multiple of 32 or 24 ranks, so the evaluation pads
+STEPS_PER_EPOCH = 4
+"""Steps an epoch of the rehearsal's training data (``train_per_class``): a checkpoint every epoch."""
+
+
+def train_per_class(global_batch: int) -> int:
+    """Fashion-MNIST training images per class for STEPS_PER_EPOCH global batches an epoch (and a few over)."""
+    return max(50, math.ceil(STEPS_PER_EPOCH * global_batch / 10) + 5)
 POLL_S = 0.2
 
 
@@ -71,13 +80,15 @@ def read_script(script: Path) -> JobShape:
     return JobShape(script, found.recipe, found.nodes, found.tasks_per_node, found.options["signal"])
 
 
-def prepare_data(root: Path) -> Path:
-    """Fashion-MNIST as WebDataset shards, written once by data_prep (as the tests' fm_wds, resumable)."""
+def prepare_data(root: Path, global_batch: int) -> Path:
+    """Fashion-MNIST as WebDataset shards for STEPS_PER_EPOCH steps of ``global_batch`` an epoch, written once by
+    data_prep (as the tests' fm_wds, resumable)."""
     from data_prep import PrepOptions, prepare
     from data_prep.fashion_mnist import build_tree
 
-    root = root / f"fashion_mnist_{TRAIN_PER_CLASS}_{VAL_PER_CLASS}"
-    tree = build_tree(root / "tree", {"train": TRAIN_PER_CLASS, "val": VAL_PER_CLASS})
+    per_class = train_per_class(global_batch)
+    root = root / f"fashion_mnist_{per_class}_{VAL_PER_CLASS}"
+    tree = build_tree(root / "tree", {"train": per_class, "val": VAL_PER_CLASS})
     out = root / "wds"
     if not (out / "manifest.json").is_file():
         prepare(tree, out, PrepOptions(fmt="wds", shard_size=96, workers=2))
@@ -87,8 +98,9 @@ def prepare_data(root: Path) -> Path:
 def layout(shape: JobShape, overrides: list[str]) -> dict:
     """The parallel section the job trains with: the script's recipe's, with CPU-only settings (no compile, gloo,
     a timeout that fails a hang in minutes) and the overrides applied (validated with the recipe later). FSDP2
-    without HSDP in the recipe gets HSDP with one replica per node (sharded inside a node, replicated across
-    nodes: the multi-node layout), unless an override sets parallel.hsdp_replicas."""
+    without HSDP in the recipe gets HSDP with one replica per node at each start (sharded inside a node, replicated
+    across nodes: the multi-node layout, kept inside nodes after a requeue onto fewer), unless an override sets
+    parallel.hsdp_replicas or parallel.hsdp_per_node."""
     import yaml
 
     from convit_scale.config import find_recipe, load_config
@@ -100,31 +112,38 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
         if not key.startswith("parallel.") or not value:
             raise Refused(f"override {item!r}: allowed: parallel.KEY=VALUE (the layout; the rest is the rehearsal's)")
         p[key[len("parallel."):]] = yaml.safe_load(value)
-    if p["strategy"] == "fsdp2" and p["hsdp_replicas"] == 1 and not any(o.startswith("parallel.hsdp_replicas=")
-                                                                        for o in overrides):
-        p["hsdp_replicas"] = shape.nodes
+    hsdp = any(o.startswith(("parallel.hsdp_replicas=", "parallel.hsdp_per_node=")) for o in overrides)
+    if p["strategy"] == "fsdp2" and p["hsdp_replicas"] == 1 and not hsdp:
+        p["hsdp_per_node"] = True
     return p
 
 
-def canonical_groups(*worlds: int) -> int:
-    """The fewest canonical groups that every one of ``worlds`` takes whole: their least common multiple."""
-    return math.lcm(*worlds)
+def recipe_batch(shape: JobShape) -> tuple[int, int]:
+    """(global batch, canonical groups) of the script's own recipe: the rehearsal trains with them (any world size up
+    to the groups, with unequal shares where the ranks do not divide them)."""
+    from convit_scale.config import find_recipe, load_config
+
+    d = load_config(find_recipe(shape.recipe), []).data
+    if shape.world > d.groups:
+        raise Refused(f"--script {shape.script.name}: {shape.world} ranks exceed its recipe's {d.groups} canonical "
+                      f"groups")
+    return d.global_batch_size, d.groups
 
 
-def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, world: int,
-                 requeue_world: int | None = None, extra: dict | None = None) -> Path:
-    """The rehearsal's recipe at the job's world size: convit_nano on the Fashion-MNIST shards, as many canonical
-    groups as both world sizes take whole, 2 images each (Mixup/CutMix pair a group's images): 32 ranks, 32 groups,
-    global batch 64, 7 steps an epoch; 32 ranks requeued onto 24, 96 groups, global batch 192, 2 steps an epoch.
-    Every step logged, a checkpoint every epoch, the script's recipe's parallel layout (``layout``)."""
+def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, batch: tuple[int, int],
+                 extra: dict | None = None) -> Path:
+    """The rehearsal's recipe: convit_nano on the Fashion-MNIST shards, with the script's recipe's ``batch`` (global
+    batch, canonical groups; ``recipe_batch``): ConViT-B+'s 512 in 32 groups, 4 steps an epoch (``prepare_data``),
+    on 32 ranks, then 24 after the requeue (8 ranks x 2 groups, 16 x 1). Every step logged, a checkpoint every
+    epoch, the script's recipe's parallel layout (``layout``)."""
     import yaml
 
     from convit_scale.config import load_config
 
-    groups = canonical_groups(world, requeue_world or world)
+    global_batch, groups = batch
     recipe = {
         "model": {"name": "convit_nano", "num_classes": 10, "drop_path_rate": 0.1},
-        "data": {"format": "wds", "train_path": str(data), "val_path": str(data), "global_batch_size": 2 * groups,
+        "data": {"format": "wds", "train_path": str(data), "val_path": str(data), "global_batch_size": global_batch,
                  "canonical_groups": groups, "eval_batch_size": 50, "num_workers": 0, "repeated_aug": 1},
         "schedule": {"epochs": 20, "warmup_epochs": 1, "max_steps": steps},
         "parallel": parallel,
@@ -419,8 +438,9 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
         f"evaluation counted {10 * VAL_PER_CLASS} images once (padded to {world} ranks)": None
         if evals and set(evals) == {10 * VAL_PER_CLASS} else f"samples {evals}",
     }
-    if parallel["strategy"] == "fsdp2":  # the mesh, as the checkpoint holds it
-        pieces, replicas = world // parallel["hsdp_replicas"], parallel["hsdp_replicas"]
+    if parallel["strategy"] == "fsdp2":  # the mesh, as the checkpoint holds it (saved on all nodes)
+        replicas = shape.nodes if parallel.get("hsdp_per_node") else parallel["hsdp_replicas"]
+        pieces = world // replicas
         seen = dcp_chunks(stop["path"])
         found[f"parameters sharded {pieces} ways, each shard saved once (mesh {replicas} x {pieces})"] = \
             None if seen == pieces else f"{seen} pieces"
@@ -466,9 +486,9 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
 
     out = (REPO / args.out).resolve()
     t0, load_before = time.time(), round(os.getloadavg()[0], 1)
-    data = prepare_data(out / "data")
-    recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, shape.world,
-                          args.requeue_nodes * shape.tasks_per_node)
+    batch = recipe_batch(shape)
+    data = prepare_data(out / "data", batch[0])
+    recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, batch)
     for name in ("interrupted", "uninterrupted"):
         shutil.rmtree(out / name, ignore_errors=True)
         (out / f"{name}.out").unlink(missing_ok=True)
@@ -511,7 +531,7 @@ def report(result: dict) -> None:
     p = result["parallel"]
     print(f"rehearsal: {result['script']} as {result['nodes']} nodes x {result['tasks_per_node']} ranks, requeued "
           f"onto {result['requeue_nodes']} nodes ({result['launcher']}), {p['strategy']} {p['precision']} "
-          f"hsdp_replicas {p['hsdp_replicas']}, "
+          f"{'hsdp per node' if p.get('hsdp_per_node') else 'hsdp_replicas ' + str(p['hsdp_replicas'])}, "
           f"{result['steps']} steps, {result['wall_s']:.0f} s")
     for name, failure in result["checks"].items():
         print(f"  {'ok  ' if failure is None else 'FAIL'} {name}" + ("" if failure is None else f": {failure}"))
