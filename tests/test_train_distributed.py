@@ -21,9 +21,11 @@ def test_world_checks_name_the_key():
         check_world(cfg, 2)
     six = load_config(None, ["data.global_batch_size=6"])  # 3 canonical groups of 2 (Mixup pairs in a group)
     assert six.data.groups == 3 and check_world(six, 3) == (2, 1) and check_world(six, 1) == (6, 1)
-    with pytest.raises(ValueError, match="2 ranks cannot share the 3 canonical groups of data.global_batch_size = 6 "
-                                         r"\(data.canonical_groups = 3; .*allowed world sizes: 1, 3$"):
-        check_world(six, 2)
+    assert check_world(six, 2) == (4, 1)  # unequal shares: rank 0 holds 2 groups, rank 1 one
+    assert check_world(load_config(None, ["data.global_batch_size=6", "data.micro_batch_size=2"]), 2) == (2, 2)
+    with pytest.raises(ValueError, match="4 ranks exceed the 3 canonical groups of data.global_batch_size = 6 "
+                                         r"\(data.canonical_groups = 3; .*at most 3 ranks$"):
+        check_world(six, 4)
     with pytest.raises(ValueError, match="data.micro_batch_size = 3 is not a whole number of canonical groups of 2"):
         check_world(load_config(None, ["data.global_batch_size=6", "data.micro_batch_size=3"]), 1)
 
