@@ -56,3 +56,21 @@ def test_masking_table_reads_a_streamed_split(fm_wds):
     assert set(table) == {"none", "position_embedding", "content_attention_last", "position_attention_last",
                           "content_attention_layers_0_1", "position_attention_layers_0_1"}
     assert all(0 <= v <= 100 for v in table.values())
+
+
+def test_masking_position_with_sigma_zero_is_content_only_output():
+    torch.manual_seed(0)
+    model = create_model("convit_nano", num_classes=4).eval()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        for blk in model.gpsa_blocks():
+            blk.attn.gating_param.fill_(-1e4)  # sigma = 0
+        ref = model(x)
+        for blk in model.gpsa_blocks():
+            blk.attn.gating_param.fill_(2.0)
+        with masked(model, position_layers=len(model.gpsa_blocks())):
+            out = model(x)
+        assert torch.allclose(ref, out, atol=1e-5)
+        with masked(model, pos_embed=True):
+            assert torch.count_nonzero(model.pos_embed) == 0
+        assert torch.count_nonzero(model.pos_embed) > 0  # restored

@@ -5,6 +5,8 @@ import json
 import torch
 
 from convit_scale import create_model
+from convit_scale.analysis.attention import attention_maps, gating, nonlocality
+from convit_scale.analysis.report import analyze
 
 
 def _resnet_file(path):
@@ -83,3 +85,22 @@ def test_training_curves_from_a_run_folder_beside_the_papers_top1(tmp_path):
     assert (c["eval_epoch"], c["top1"], c["paper_top1"]) == ([0, 1, 2], [20.0, 40.0, 60.0], 81.3)
     path = plots.training_curves(c, tmp_path / "training_curves.png")
     assert path.stat().st_size > 5000
+
+
+def test_report_writes_plots_and_numbers(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("convit_nano", num_classes=4).eval()
+    deit = create_model("deit_nano", num_classes=4).eval()
+    batches = [(torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,))) for _ in range(2)]
+    res = analyze(model, batches, tmp_path, compare=deit, names=("convit", "deit"))
+    for f in ("gating.png", "nonlocality.png", "attention_maps.png", "attention_distance.png", "cka_self.png",
+              "cka_compare.png", "analysis.json"):
+        assert (tmp_path / f).stat().st_size > 1000, f
+    assert len(res["gating"]) == 2 and len(res["gating"][0]) == 4
+    assert len(res["nonlocality"]) == 3
+    cka = torch.tensor(res["cka_self"])
+    assert torch.allclose(cka.diagonal(), torch.ones(3, dtype=cka.dtype), atol=1e-6)
+    assert set(res["masking_top1"]) >= {"none", "position_embedding", "content_attention_first_2"}
+    maps = attention_maps(model, batches[0][0])
+    assert [m.shape for m in maps] == [(8, 4, 16, 16)] * 3
+    assert gating(model) == res["gating"] and nonlocality(model, batches[0][0])[0] > 0
