@@ -45,8 +45,10 @@ def _run(args) -> dict:
 
         return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes)
     if args.what == "data":
-        from .data import bench_data
+        from .data import bench_crop_decode, bench_data
 
+        if args.decode_only:
+            return bench_crop_decode(out / "data_work", args.seconds, args.rounds)
         return bench_data(out / "data_work", args.seconds, args.rounds, args.device)
     if args.what == "memory":
         from .memory import bench_memory

@@ -7,6 +7,9 @@ Each format runs two recipes, "full" (DeiT: RandAugment rand-m9-mstd0.5-inc1, ra
 "crop_flip" (RandomResizedCrop + flip only), in both places the augmentation can run: "cpu" (the loader does it
 all) and "device" (the loader stops at uint8 crops; ``device_augment`` does the rest on the training device,
 timed separately). In device mode the loader's work is the same for both recipes: their rates' ratio shows it.
+
+"crop_decode" (``crop_decode.py``): CPU ms per image of the train crop's decode, the whole JPEG against the crop box
+alone, side by side in one process; ``--decode-only`` runs only it (about a minute).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..data.ffcv_epoch import allocate, run_stages
 from ..ffcv_threads import importing_ffcv
 from ..hardware import usable_cpus
 from ..manifest import Manifest
+from .crop_decode import crop_decode_costs
 from .worker import run_worker
 
 
@@ -272,6 +276,8 @@ def worker(spec: dict) -> dict:
         return {"images_per_s": _decode_rate(spec["tree"], spec["seconds"])}
     if spec["loader"] == "threads":
         return _thread_rates(spec["tree"], spec["seconds"], spec["workers"])
+    if spec["loader"] == "crop_decode":
+        return crop_decode_costs(spec["tree"], spec["seconds"])
     if spec["loader"] == "device_stage":
 
         torch.set_num_threads(usable_cpus())  # the device is the whole machine when it is the CPU
@@ -320,6 +326,28 @@ def _beton_sizes(folder: Path, manifest: Manifest) -> dict:
         "size"].sum()), "source_jpeg_bytes": sources}
 
 
+def _crop_decode_rounds(results: list[dict]) -> dict:
+    """The rounds of ``crop_decode``: each kind's least CPU per image of each candidate, the median of the rounds'
+    ratios (each the median within its round, whose candidates alternated), and every round's ratio."""
+    kinds = ("decode", "with_resize", "webdataset")
+    out = {k: v for k, v in results[-1].items() if k not in kinds}
+    for kind in kinds:
+        rows = [r[kind] for r in results]
+        out[kind] = {"whole_cpu_ms_per_image": min(r["whole_cpu_ms_per_image"] for r in rows),
+                     "box_cpu_ms_per_image": min(r["box_cpu_ms_per_image"] for r in rows),
+                     "whole_vs_box": statistics.median(r["whole_vs_box"] for r in rows),
+                     "rounds": [r["whole_vs_box"] for r in rows]}
+    return out
+
+
+def bench_crop_decode(work: Path, seconds: float, rounds: int) -> dict:
+    """``bench data --decode-only``: the crop's decode alone, whole JPEG against box, in ``rounds`` fresh processes."""
+    tree = make_photo_tree(work / "tree", per_class=64)
+    results = [run_worker("data", {"loader": "crop_decode", "tree": str(tree), "seconds": seconds})
+               for _ in range(rounds)]
+    return {"seconds": seconds, "rounds": rounds, "crop_decode": _crop_decode_rounds(results)}
+
+
 def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> dict:
     workers = sorted({1, 2, usable_cpus()})
     per_class = max(160, math.ceil(2 * workers[-1] * BATCH / 4))  # epochs of 2N batches at least
@@ -329,7 +357,9 @@ def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> 
     betons = {"ffcv": prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2)),
               "ffcv_384_q90": prepare(tree, paths["ffcv_384_q90"], PrepOptions(fmt="ffcv", write_mode="jpg",
                                                                              max_resolution=384, workers=2))}
-    cands = [("decode", None), ("threads", None), ("device_stage", None)] + [(f, m) for f in FORMATS for m in MODES]
+    cands = [("decode", None), ("threads", None), ("device_stage", None), ("crop_decode", None)] + [
+        (f, m) for f in FORMATS for m in MODES]
+    crop_decode = []
     best: dict = {}
     ratios: dict = {"ffcv_full_2_vs_1_workers": [], "ffcv_full_vs_crop_flip": [], "threads_2_vs_1": [],
                     "ffcv_free_threads_2_vs_1": []}
@@ -352,6 +382,8 @@ def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> 
             elif loader == "device_stage":
                 for k, v in r.items():
                     keep(("device_stage", k), v)
+            elif loader == "crop_decode":
+                crop_decode.append(r)
             else:
                 free, r = r["free_threads"], r["recipes"]
                 for w, v in free.items():
@@ -383,4 +415,5 @@ def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> 
             "ffcv_train_beton": {k: _beton_sizes(paths[k], m) for k, m in betons.items()},
             "loaders": loaders, "threads_images_per_s": threads, "ffcv_free_threads_images_per_s": free_threads,
             "device_stage_images_per_s": {"device": device, "img_size": 224, **device_stage},
+            "crop_decode": _crop_decode_rounds(crop_decode),
             "targets": _targets(ratios, device_stage, device)}

@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="model, data, distill: interleaved rounds (A B C A B C); the best round is kept")
     p.add_argument("--seconds", type=positive_float, default=8.0, help="data: seconds per candidate and round")
+    p.add_argument("--decode-only", action="store_true",
+                   help="data: only the train crop's JPEG decode, whole image against the crop box alone")
     p.add_argument("--model", default="convit_base_plus", help="memory, universal, gate: the model")
     p.add_argument("--img-size", type=positive_int, default=64,
                    help="memory, universal, gate: input size (model state dominates)")
