@@ -133,7 +133,11 @@ def load_rgb_jpeg(path: str, quality: int = 95) -> tuple[bytes | None, str | Non
     re-encoded; plain RGB JPEGs keep their original bytes. Empty, truncated or undecodable files
     give a reason instead of bytes.
     """
-    data = Path(path).read_bytes()
+    return rgb_jpeg(Path(path).read_bytes(), quality)
+
+
+def rgb_jpeg(data: bytes, quality: int = 95) -> tuple[bytes | None, str | None, bool]:
+    """``load_rgb_jpeg`` of an image's bytes (from a file, a tar member or a Parquet cell)."""
     if not data:
         return None, "empty file", False
     try:

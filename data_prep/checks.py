@@ -16,10 +16,11 @@ from PIL import Image, UnidentifiedImageError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from convit_scale.files import write_json_atomic
-from convit_scale.imagetree import Sample, load_rgb_jpeg
+from convit_scale.imagetree import Sample
 from convit_scale.jpeg import decode_rgb_array
 
 from .options import PrepOptions
+from .sources import load_rgb_jpeg, read_bytes
 
 
 def sha256_file(path: Path) -> str:
@@ -53,7 +54,7 @@ def _check_one_ffcv(sample: tuple[str, int, int | None]) -> tuple[str, int, str 
     ``max_resolution``, RAW otherwise (CMYK, PNG named .JPEG, a JPEG turbojpeg refuses or warns about)."""
 
     path, label, max_resolution = sample
-    data = Path(path).read_bytes()
+    data = read_bytes(path)
     if not data:
         return path, label, "empty file", None
     try:

@@ -14,10 +14,11 @@ from PIL import Image
 
 from convit_scale.ffcv_threads import importing_ffcv
 from convit_scale.files import atomic_path, write_json_atomic
-from convit_scale.imagetree import PrepError, Sample, load_rgb_jpeg
+from convit_scale.imagetree import PrepError, Sample
 
 from .checks import KEPT, RAW, class_counts, sha256_file
 from .options import PrepOptions
+from .sources import load_rgb_jpeg, read_bytes
 
 
 class _RGBDataset:
@@ -47,7 +48,7 @@ class _KeptDataset:
 
     def __getitem__(self, i: int):
         path, label = self.samples[i].path, self.samples[i].label
-        data = Path(path).read_bytes()
+        data = read_bytes(path)
         how = self.storage[path]
         try:
             with Image.open(io.BytesIO(data)) as img:

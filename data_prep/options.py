@@ -39,6 +39,10 @@ class PrepOptions:
     workers: int = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     val_labels: str | None = None
     val_synsets: str | None = None
+    image_column: str = "image"
+    """Parquet sources: the column of the images' bytes (or of {bytes, path} structs)."""
+    label_column: str = "label"
+    """Parquet sources: the column of the integer labels."""
 
 
 WRITE_MODES = ("keep", "jpg", "raw", "proportion", "smart")

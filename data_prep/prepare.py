@@ -1,4 +1,5 @@
-"""``prepare``: an ImageNet-style tree -> WebDataset tar shards or FFCV .beton files, with a manifest.
+"""``prepare``: an ImageNet-style tree, WebDataset shards or Parquet files (``sources.py``) -> WebDataset tar shards or
+FFCV .beton files, with a manifest.
 
 Two phases per split, both parallel across processes and both resumable:
 1. check every image (``checks.py``: decode it; convert CMYK/grey/PNG to RGB; list what cannot be read; for FFCV,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from convit_scale.manifest import MANIFEST, TIMM_INFO, Manifest, Split
 from .checks import KEPT, RAW, RESIZED, check_images, class_counts
 from .ffcv_writer import write_ffcv
 from .options import PrepOptions, check_options
+from .sources import ORDERED, TREE, list_source, source_kind
 from .wds_writer import write_wds
 
 OWNER = ".prep.json"
@@ -74,19 +77,43 @@ def _in_classes(samples: list[Sample], problems: list[dict], classes: list[str],
              if Path(p["path"]).name not in left_out and Path(p["path"]).parent.name not in left_out])
 
 
-def _scan(src: Path, opts: PrepOptions, classes: list[str], all_classes: list[str]) -> dict:
+def _listed(src: Path, kind: str, opts: PrepOptions, classes: list[str], all_classes: list[str],
+            listed: dict) -> dict:
+    """{split: (samples, problems)} as the source lists them, in the first ``len(classes)`` classes."""
+    out = {}
+    for split in opts.splits:
+        if kind != TREE:
+            if split in listed:
+                out[split] = [s for s in listed[split] if s.label < len(classes)], []
+            continue
+        if (src / split).is_dir():
+            samples, problems = scan_split(src, split, all_classes, Path(opts.val_labels) if opts.val_labels else None,
+                                           Path(opts.val_synsets) if opts.val_synsets else None)
+            out[split] = _in_classes(samples, problems, classes, all_classes)
+    if "train" not in out:
+        raise PrepError(f"source has no train split: {src / 'train'}" + ("" if kind == TREE else f" ({kind} files "
+                        f"named train*, or a manifest's train split)"))
+    return out
+
+
+def _first_of_each_class(samples: list[Sample], fraction: float) -> list[Sample]:
+    """Table 2 in a source's own order: the first floor(n_c * f) samples of each class, in place."""
+    quota = {k: math.floor(int(v) * fraction) for k, v in class_counts([s.label for s in samples]).items()}
+    kept = []
+    for s in samples:
+        if quota[str(s.label)] > 0:
+            quota[str(s.label)] -= 1
+            kept.append(s)
+    return kept
+
+
+def _scan(src: Path, kind: str, opts: PrepOptions, classes: list[str], all_classes: list[str],
+          listed: dict | None = None) -> dict:
     """Every split listed (no image read yet): {split: (samples, problems)}, before anything is written."""
     scanned = {}
-    for split in opts.splits:
-        if not (src / split).is_dir():
-            if split == "train":
-                raise PrepError(f"source has no train folder: {src / split}")
-            continue
-        samples, problems = scan_split(src, split, all_classes, Path(opts.val_labels) if opts.val_labels else None,
-                                       Path(opts.val_synsets) if opts.val_synsets else None)
-        samples, problems = _in_classes(samples, problems, classes, all_classes)
+    for split, (samples, problems) in _listed(src, kind, opts, classes, all_classes, listed or {}).items():
         if split == "train":
-            kept = subsample(samples, opts.subset_fraction)
+            kept = (subsample if kind == TREE else _first_of_each_class)(samples, opts.subset_fraction)
             if samples and not kept:
                 largest = max(class_counts([s.label for s in samples]).values())
                 raise PrepError(f"--subset-fraction {opts.subset_fraction:g} keeps no image of {src / split}: "
@@ -95,12 +122,27 @@ def _scan(src: Path, opts: PrepOptions, classes: list[str], all_classes: list[st
             samples = kept
         if not samples:
             raise PrepError(f"no images found in {src / split}")
+        if opts.fmt == "wds" and kind in ORDERED:
+            _refuse_sorted(src, split, samples, opts.shard_size)
         scanned[split] = samples, problems
     return scanned
 
 
+def _refuse_sorted(src: Path, split: str, samples: list[Sample], shard_size: int) -> None:
+    """WebDataset shards keep a Parquet source's order: refused when it would make shards of one class."""
+    run = longest = 1
+    for a, b in zip(samples, samples[1:]):
+        run = run + 1 if a.label == b.label else 1
+        longest = max(longest, run)
+    if longest > max(1, shard_size // 2):
+        raise PrepError(f"{src}: its {split} rows are sorted by class ({longest} rows of one label in a row): "
+                        f"WebDataset shards keep a Parquet source's order, so each would hold one or two classes; "
+                        f"allowed: `convit-scale prep ffcv` (the epoch order is taken at load time), or a shuffled "
+                        f"source")
+
+
 def _convert_split(src: Path, out: Path, split: str, samples: list[Sample], problems: list[dict],
-                   opts: PrepOptions) -> dict:
+                   opts: PrepOptions, shuffle: bool = True) -> dict:
     """Check, then write one split; its manifest entry."""
     key = hashlib.sha256(json.dumps([asdict(opts), [(s.path, s.label) for s in samples]]).encode()).hexdigest()
     valid, skipped, storage = check_images(samples, out, split, opts, key)
@@ -113,7 +155,7 @@ def _convert_split(src: Path, out: Path, split: str, samples: list[Sample], prob
     if not valid:
         raise PrepError(f"no readable images in {src / split}")
     if opts.fmt == "wds":
-        files = write_wds(valid, out, split, opts, key)
+        files = write_wds(valid, out, split, opts, key, shuffle)
     else:
         files = write_ffcv(valid, out, split, opts, key, storage)
     for name, rec in files.items():  # sizes let a training run refuse a missing or truncated file cheaply
@@ -127,25 +169,37 @@ def _convert_split(src: Path, out: Path, split: str, samples: list[Sample], prob
 
 
 def prepare(src: str | Path, out: str | Path, opts: PrepOptions) -> Manifest:
-    """Convert ``src`` (ImageNet-style) into ``out``; returns the manifest."""
+    """Convert ``src`` (an ImageNet-style tree, WebDataset shards or Parquet files: ``sources.py``) into ``out``;
+    returns the manifest."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise PrepError(f"source folder not found: {src}")
     check_options(opts)
-    all_classes = list_classes(src / "train")
+    kind = source_kind(src)
+    listed, named = {}, True
+    if kind == TREE:
+        all_classes = list_classes(src / "train")
+    else:
+        names, listed = list_source(src, kind, opts.splits, opts.image_column, opts.label_column)
+        top = max((s.label for s in listed.get("train", [])), default=-1) + 1
+        all_classes, named = names or [str(c) for c in range(top)], bool(names)  # unnamed: labels stand for themselves
     classes = all_classes[:opts.num_classes] if opts.num_classes else all_classes
     if opts.num_classes and opts.num_classes > len(all_classes):
-        raise PrepError(f"--num-classes {opts.num_classes}: {src / 'train'} has {len(all_classes)} classes; allowed: "
+        raise PrepError(f"--num-classes {opts.num_classes}: {src} has {len(all_classes)} classes; allowed: "
                         f"1..{len(all_classes)}")
     check_out(src, out, opts.fmt)
-    scanned = _scan(src, opts, classes, all_classes)
+    scanned = _scan(src, kind, opts, classes, all_classes, listed)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / OWNER, {"format": opts.fmt, "source": str(src.resolve())})
     options = json.loads(json.dumps(asdict(opts)))  # as the file holds them (lists, not tuples)
     manifest = Manifest(opts.fmt, str(src.resolve()), options, classes, location=str(out))
     for split, (samples, problems) in scanned.items():
-        manifest.splits[split] = Split.from_dict(_convert_split(src, out, split, samples, problems, opts))
-    (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
+        manifest.splits[split] = Split.from_dict(_convert_split(src, out, split, samples, problems, opts,
+                                                                shuffle=kind not in ORDERED))
+    if not named:
+        manifest.classes = []  # the source names no classes: none are made up (the labels' count is the per-class's)
+    if named:
+        (out / "classes.txt").write_text("".join(f"{i}\t{c}\n" for i, c in enumerate(classes)))
     if opts.fmt == "wds":  # timm's WebDataset reader takes the shards as they are (--dataset wds/... --data-dir OUT)
         write_json_atomic(out / TIMM_INFO, manifest.timm_info(out.name))
     manifest.write(out)

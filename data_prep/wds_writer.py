@@ -14,10 +14,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from convit_scale.files import atomic_path, write_json_atomic
-from convit_scale.imagetree import PrepError, Sample, load_rgb_jpeg
+from convit_scale.imagetree import PrepError, Sample
 
 from .checks import class_counts, progress_bar, sha256_file
 from .options import PrepOptions
+from .sources import load_rgb_jpeg
 
 
 def write_shard(job: tuple[str, list[tuple[int, str, int]]]) -> tuple[str, str, int]:
@@ -42,9 +43,12 @@ def shard_plan(n: int, shard_size: int) -> list[int]:
     return [base + (i < extra) for i in range(n_shards)]
 
 
-def write_wds(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str) -> dict[str, dict]:
+def write_wds(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str,
+              shuffle: bool = True) -> dict[str, dict]:
+    """The split's shards; ``shuffle=False`` keeps the source's order (``sources.ORDERED``)."""
     order = list(range(len(samples)))
-    random.Random(opts.seed).shuffle(order)  # ImageFolder order is by class: shuffle before sharding
+    if shuffle:
+        random.Random(opts.seed).shuffle(order)  # ImageFolder order is by class: shuffle before sharding
     sizes = shard_plan(len(samples), opts.shard_size)
     stem = f"{split}-f{opts.subset_fraction:g}-s{opts.shard_size}"
     jobs, start = [], 0

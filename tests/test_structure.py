@@ -184,11 +184,11 @@ LIGHT = ("convit_scale/__init__.py", "convit_scale/ffcv_threads.py", "convit_sca
 the Slurm scripts read in the batch shell, and the benchmarks' dispatchers (they import only the benchmark that runs:
 ``bench data`` needs FFCV, the others run without it): these may import heavy modules inside functions."""
 LAZY = ("deepspeed", "ffcv", "numba", "cv2", "tensorboard", "torch.utils.tensorboard", "wandb", "sklearn", "matplotlib",
-        "torch._dynamo", "torch.distributed.fsdp", "webdataset.gopen")
-"""Libraries imported only where used, elsewhere: optional (ffcv, wandb, tensorboard, sklearn, matplotlib) or costly
-to import for every process of a run that does not use them (deepspeed, numba; what ``parallel.preload`` imports to
-measure the memory baseline after them; webdataset imports torch, which a manifest read from a folder, as prep's
-workers do, does not need)."""
+        "pyarrow", "torch._dynamo", "torch.distributed.fsdp", "webdataset.gopen")
+"""Libraries imported only where used, elsewhere: optional (ffcv, wandb, tensorboard, sklearn, matplotlib, pyarrow)
+or costly to import for every process of a run that does not use them (deepspeed, numba; what ``parallel.preload``
+imports to measure the memory baseline after them; webdataset imports torch, which a manifest read from a folder, as
+prep's workers do, does not need)."""
 
 
 def _top_imports(path: Path) -> set[str]:

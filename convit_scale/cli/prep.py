@@ -26,7 +26,8 @@ def _cmd_convert(args) -> int:
         own = {"max_resolution": args.max_resolution, "jpeg_quality": args.jpeg_quality, "write_mode": args.write_mode}
     opts = PrepOptions(fmt=args.fmt, subset_fraction=args.subset_fraction, num_classes=args.num_classes,
                        strict=args.strict, workers=args.workers, val_labels=args.val_labels,
-                       val_synsets=args.val_synsets, **own)
+                       val_synsets=args.val_synsets, image_column=args.image_column, label_column=args.label_column,
+                       **own)
     manifest = prepare(args.src, args.out, opts)
     for split, info in manifest.splits.items():
         print(f"{split}: {info.num_samples} images in {len(info.files)} file(s), {len(info.skipped)} skipped")
@@ -66,7 +67,8 @@ def _cmd_fashion_mnist(args) -> int:
 
 
 def _convert_options(p, fmt: str) -> None:
-    p.add_argument("--src", help="source tree with train/ and val/ (class folders, or a flat val/ with --val-labels)")
+    p.add_argument("--src", help="source: a tree with train/ and val/ (class folders, or a flat val/ with "
+                                 "--val-labels), WebDataset shards (with manifest.json or _info.json) or Parquet files")
     p.add_argument("--out", help="output folder (new, empty, or an earlier `prep %s` output to resume)" % fmt)
     p.add_argument("--subset-fraction", type=fraction, default=1.0,
                    help="Table 2: first floor(n_c*f) files per class, f in (0, 1]")
@@ -77,6 +79,9 @@ def _convert_options(p, fmt: str) -> None:
                    help="parallel processes (default: the CPUs this process may use, here %(default)s)")
     p.add_argument("--val-labels", help="flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt")
     p.add_argument("--val-synsets", help="with the devkit ground truth: wnids in ILSVRC id order")
+    p.add_argument("--image-column", default="image", help="Parquet --src: the images' column (bytes, or structs "
+                                                           "with bytes)")
+    p.add_argument("--label-column", default="label", help="Parquet --src: the integer labels' column")
     p.set_defaults(fmt=fmt, func=_cmd_convert)
 
 
