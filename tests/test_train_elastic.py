@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from support import REPO, losses, records, run_many, tiny_recipe, train_here
 
 from convit_scale.config import load_config
 from convit_scale.parallel.universal import is_converted
+from convit_scale.slurm_scripts import job_scripts
 
 STOP, TOTAL = 3, 13
 """Stopped after step 3 (mid-epoch: 1000 images make 31 steps of 32), compared over the 10 steps after it."""
@@ -217,14 +217,11 @@ def test_a_slurm_job_given_more_ranks_than_canonical_groups_is_refused_before_sr
     assert "== nodes 5, tasks/GPUs per node 8" in res.stdout and not (tmp_path / "run").exists()
 
 
-JOB_SCRIPTS = sorted(p for p in (REPO / "slurm").glob("*.sh") if "RECIPE=${RECIPE:-" in p.read_text())
+JOB_SCRIPTS = job_scripts(REPO / "slurm")
 
 
-@pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda s: s.path.stem)
 def test_every_slurm_script_runs_its_recipe_on_its_own_gpus(script):
     """The job shape each script asks for is a world size its recipe allows (no more ranks than canonical groups)."""
-    text = script.read_text()
-    nodes = re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M)
-    tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M)
-    cfg = load_config(REPO / re.search(r"RECIPE=\$\{RECIPE:-([^}]+)\}", text).group(1), [])
-    assert cfg.data.world_size_problem(int(nodes.group(1)) * int(tasks.group(1))) is None
+    cfg = load_config(REPO / script.recipe, [])
+    assert cfg.data.world_size_problem(script.nodes * script.tasks_per_node) is None
