@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The library and its path, or None and why not."""
     here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_jpeg_roi{suffix}"
+    # This Python's extension name first; a plain C library (no Python API) built for another Python loads as well.
+    names = [f"_jpeg_roi{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    for path in [here / n for n in names] + sorted(here.glob("_jpeg_roi.*.so")):
         if path.exists():
             try:
                 return ctypes.CDLL(str(path)), str(path)
