@@ -51,9 +51,9 @@ def read_bytes(ref: str) -> bytes:
     if ref.startswith("tar:"):
         path, _, span = ref[4:].rpartition("#")
         offset, _, size = span.partition("+")
-        with open(path, "rb") as f:
-            f.seek(int(offset))
-            data = f.read(int(size))
+        f = _open_shard(path)
+        f.seek(int(offset))
+        data = f.read(int(size))
         if len(data) != int(size):
             raise OSError(f"{path}: member at {int(offset)} truncated ({len(data)} of {int(size)} bytes)")
         return data
@@ -67,6 +67,21 @@ def read_bytes(ref: str) -> bytes:
 def load_rgb_jpeg(ref: str) -> tuple[bytes | None, str | None, bool]:
     """``imagetree.load_rgb_jpeg`` of any source's sample: (JPEG bytes of an RGB image, skip reason, converted?)."""
     return rgb_jpeg(read_bytes(ref))
+
+
+_SHARDS: collections.OrderedDict[str, object] = collections.OrderedDict()
+"""The tar shards a process has open (a few: a shard's samples are read one after the other; one open per sample
+would be a metadata operation each on a parallel file system)."""
+
+
+def _open_shard(path: str):
+    if path in _SHARDS:
+        _SHARDS.move_to_end(path)
+        return _SHARDS[path]
+    if len(_SHARDS) >= 8:
+        _SHARDS.popitem(last=False)[1].close()
+    _SHARDS[path] = f = open(path, "rb")  # noqa: SIM115 - kept open for the next samples of the shard
+    return f
 
 
 def list_source(src: Path, kind: str, splits: tuple[str, ...], image_column: str = "image",
@@ -133,7 +148,7 @@ def _parquet_samples(path: Path, image_column: str, label_column: str) -> list[S
     for column, option in ((image_column, "--image-column"), (label_column, "--label-column")):
         if column not in names:
             raise PrepError(f"{path}: no column {column!r} (it has: {', '.join(names)}); name it with {option}")
-    labels = f.read(columns=[label_column]).column(label_column).to_pylist()
+    labels = f.read(columns=[label_column], use_threads=False).column(label_column).to_pylist()  # before a fork
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in labels):
         raise PrepError(f"{path}: column {label_column!r} holds other values than labels 0..N-1; name the integer "
                         f"label column with --label-column")
@@ -174,4 +189,4 @@ class _ParquetRows:
 
     def _cells(self, g: int) -> list:
         """The image column of row group ``g`` as Python values (bytes, or {bytes, path} structs)."""
-        return self.file.read_row_group(g, columns=[self.column]).column(self.column).to_pylist()
+        return self.file.read_row_group(g, columns=[self.column], use_threads=False).column(self.column).to_pylist()
