@@ -4,8 +4,9 @@ A RandomResizedCrop (scale 0.08-1) keeps about half of an image on average; deco
 rest away costs the inverse DCT, upsampling and colour conversion of every pixel. ``_jpeg_roi.c`` decodes only the
 box's rows and the iMCU columns around it (libjpeg-turbo's jpeg_skip_scanlines and jpeg_crop_scanline, with the
 margin fancy upsampling needs), stops after its last row, and copies the box out: the same pixels as turbojpeg's
-whole decode (``jpeg.decode_rgb``) and PIL's, for baseline and progressive, 4:2:0, 4:2:2, 4:4:4 and greyscale JPEGs
-(``tests/test_jpeg_roi.py``); ``convit-scale bench data --only decode`` measures what it saves.
+whole decode (``jpeg.decode_rgb``) and PIL's, for baseline and progressive JPEGs, 4:2:0, 4:2:2, 4:4:4, 4:4:0,
+4:1:1, greyscale, with restart markers (``tests/test_jpeg_roi.py``). ``convit-scale bench data --decode-only``
+measures what it saves.
 
 The library is built by ``pip install -e .`` (an optional extension in pyproject.toml: it needs gcc and libjpeg's
 headers). Without it the loaders decode whole images, with the same pixels, and say so once (``warn_if_missing``).

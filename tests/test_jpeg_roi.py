@@ -71,6 +71,37 @@ def test_every_first_row_and_height_near_the_top(variant):
     assert wrong == []
 
 
+def tj_encode(pixels: np.ndarray, subsampling: int, quality: int = 90) -> bytes:
+    """A JPEG written by turbojpeg (tjCompress2), which writes the subsamplings PIL does not: 4:4:0, 4:1:1."""
+    import ctypes
+
+    from convit_scale.jpeg import _lib
+
+    init, compress, free = _lib.tjInitCompress, _lib.tjCompress2, _lib.tjFree
+    init.restype, free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    compress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_ulong), ctypes.c_int, ctypes.c_int,
+                         ctypes.c_int]
+    pixels = np.ascontiguousarray(pixels)
+    buf, size, handle = ctypes.c_void_p(), ctypes.c_ulong(), init()
+    rc = compress(handle, pixels.ctypes.data, pixels.shape[1], 0, pixels.shape[0], 0, ctypes.byref(buf),
+                  ctypes.byref(size), subsampling, quality, 0)
+    assert rc == 0
+    data = ctypes.string_at(buf, size.value)
+    free(buf)
+    _lib.tjDestroy(ctypes.c_void_p(handle))
+    return data
+
+
+@pytest.mark.parametrize("subsampling", [4, 5], ids=["4:4:0", "4:1:1"])  # turbojpeg's TJSAMP_440, TJSAMP_411
+def test_subsamplings_pil_does_not_write(subsampling):
+    data = tj_encode(photo_like(101, 117, seed=2), subsampling)
+    full = decode_rgb_array(data, 101, 117)
+    wrong = [(i, j, h, w) for i, j, h, w in boxes(101, 117, np.random.default_rng(subsampling), 100)
+             if not np.array_equal(jpeg_roi.decode_box(data, i, j, h, w), full[i:i + h, j:j + w])]
+    assert wrong == []
+
+
 def test_refusals_match_the_whole_decode_and_are_counted():
     before = jpeg_roi.counts()
     cmyk = encode(photo_like(40, 52), "CMYK", quality=90)  # turbojpeg refuses RGB output of it: so does this
