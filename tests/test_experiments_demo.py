@@ -39,25 +39,3 @@ def test_demo_refuses_a_bad_option(tmp_path):
     res = run_cli("demo", "--out", str(tmp_path / "d"), "--train-per-class", "20", "--val-per-class", "4",
                   "parallel.precision=fp64")
     assert res.returncode == 2 and "parallel.precision = 'fp64' is not allowed" in res.stderr
-
-
-def test_sample_efficiency_experiment_small(tmp_path):
-    """Table 2 at test size, two runs at a time: every (model, f) trains base/f epochs on its subset, and a
-    second call trains nothing again."""
-    out = tmp_path / "se"
-    args = ("experiment", "sample-efficiency", "--out", str(out), "--fractions", "0.5,1", "--base-epochs", "2",
-            "--train-per-class", "26", "--val-per-class", "4", "--jobs", "2")
-    res = run_cli(*args)
-    assert res.returncode == 0, res.stderr[-3000:]
-    table = json.loads((out / "sample_efficiency.json").read_text())["table"]
-    assert set(table) == {"convit_micro", "deit_micro"} and all(set(t) == {"0.5", "1"} for t in table.values())
-    for model in table:
-        for f, epochs, steps in (("0.5", 4, 4), ("1", 2, 4)):  # 130 and 260 images, batches of 128
-            evals = records(out / f"{model}_f{f}", "eval")
-            assert [e["epoch"] for e in evals] == list(range(epochs)) and evals[-1]["samples"] == 40
-            assert evals[-1]["top1"] == table[model][f]
-            assert records(out / f"{model}_f{f}", "end")[-1]["step"] == steps
-    assert (out / "sample_efficiency.png").stat().st_size > 1000
-    again = run_cli(*args)
-    assert again.returncode == 0 and all(len(records(out / f"{m}_f{f}", "end")) == 1
-                                         for m in table for f in ("0.5", "1"))

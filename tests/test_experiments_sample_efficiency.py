@@ -1,9 +1,11 @@
 """The CPU Table 2: every seed's runs, the images each run trained on, and each gap with its noise."""
 
+import json
 import math
 from pathlib import Path
 
 import pytest
+from support import records, run_cli
 
 from convit_scale.experiments import sample_efficiency as se
 
@@ -26,3 +28,25 @@ def test_summary_states_each_gap_with_its_noise(monkeypatch):
     assert g["sampling_se"] == pytest.approx(100 * math.hypot(math.sqrt(p * (1 - p) / 2000),
                                                                math.sqrt(q * (1 - q) / 2000)))
     assert "| 0.05 | 240 | 92,160 | 77.50 | 74.00 | +3.50 |" in out["markdown"]
+
+
+def test_sample_efficiency_experiment_small(tmp_path):
+    """Table 2 at test size, two runs at a time: every (model, f) trains base/f epochs on its subset, and a
+    second call trains nothing again."""
+    out = tmp_path / "se"
+    args = ("experiment", "sample-efficiency", "--out", str(out), "--fractions", "0.5,1", "--base-epochs", "2",
+            "--train-per-class", "26", "--val-per-class", "4", "--jobs", "2")
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = json.loads((out / "sample_efficiency.json").read_text())["table"]
+    assert set(table) == {"convit_micro", "deit_micro"} and all(set(t) == {"0.5", "1"} for t in table.values())
+    for model in table:
+        for f, epochs, steps in (("0.5", 4, 4), ("1", 2, 4)):  # 130 and 260 images, batches of 128
+            evals = records(out / f"{model}_f{f}", "eval")
+            assert [e["epoch"] for e in evals] == list(range(epochs)) and evals[-1]["samples"] == 40
+            assert evals[-1]["top1"] == table[model][f]
+            assert records(out / f"{model}_f{f}", "end")[-1]["step"] == steps
+    assert (out / "sample_efficiency.png").stat().st_size > 1000
+    again = run_cli(*args)
+    assert again.returncode == 0 and all(len(records(out / f"{m}_f{f}", "end")) == 1
+                                         for m in table for f in ("0.5", "1"))
