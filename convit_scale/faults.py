@@ -145,13 +145,16 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
         first = min(hangs, key=lambda h: h["time"])
         culprit = (first.get("culprits") or [{}])[0]
         beat = by_rank.get(culprit.get("rank"), {})
-        stopped = [c for h in hangs for c in h.get("children", []) if c.get("state") in ("T", "t", "D")]
+        children = [c for h in hangs for c in h.get("children", [])]
+        stopped = [c for c in children if c.get("state") in ("T", "t", "D")]
+        locked = [c for c in children if c.get("state") == "S" and "futex" in str(c.get("wchan", ""))]
         return {"kind": "hang", "rank": culprit.get("rank"), "node": culprit.get("node"),
                 "step": beat.get("step", first["step"]), "phase": beat.get("phase", first["phase"]),
                 "detect_s": round(first["time"] - beat.get("since", first["since"]), 1),  # its last progress
                 "limit_s": first.get("limit_s"),  # the timeout of the phase the detecting rank waited in
                 "waiting": [w["rank"] for w in first.get("waiting", [])], "summary": first.get("summary"),
-                "stopped_workers": stopped, "stacks": first.get("stacks"), "exit_status": rc}
+                "stopped_workers": stopped, "locked_workers": locked, "stacks": first.get("stacks"),
+                "exit_status": rc}
     oom = [b for b in failed if re.search(r"OutOfMemoryError|MemoryError", b["state"])]
     if oom or re.search(r"oom[_-]kill|Out Of Memory", log):
         b = oom[0] if oom else by_rank.get((task or {}).get("rank"), {})
@@ -183,6 +186,9 @@ def describe(rec: dict) -> str:
         text += f"; ranks {', '.join(map(str, rec['waiting']))} were waiting for it"
     if rec.get("stopped_workers"):
         text += "; stopped loader worker(s) " + ", ".join(str(c["pid"]) for c in rec["stopped_workers"])
+    if rec.get("locked_workers"):  # forked from a process whose other threads held locks: one may never be released
+        text += "; loader worker(s) waiting on a lock (futex) " + ", ".join(
+            str(c["pid"]) for c in rec["locked_workers"])
     if rec.get("how") and rec["kind"] != "hang":
         text += f" [{rec['how']}]"
     return text

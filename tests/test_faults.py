@@ -60,6 +60,11 @@ def test_kinds_of_fault():
                         None, "", [])
     assert (h["kind"], h["rank"], h["node"], h["waiting"]) == ("hang", 1, "n2", [0]) and h["stopped_workers"]
     assert "ranks 0 were waiting for it; stopped loader worker(s) 99" in faults.describe(h)
+    hang["children"] = [{"pid": 98, "state": "S", "wchan": "futex_wait_queue"},  # a lock it inherited at the fork
+                        {"pid": 97, "state": "S", "wchan": "do_sys_poll"}]  # idle on its queue
+    h = faults.classify(76, [_beat(0, 31, "reduction", "n1"), _beat(1, 31, "data", "n2")], [hang], None, "", [])
+    assert [c["pid"] for c in h["locked_workers"]] == [98] and not h["stopped_workers"]
+    assert faults.describe(h).endswith("; loader worker(s) waiting on a lock (futex) 98")
 
 
 def test_a_restart_needs_a_newer_checkpoint_so_the_same_failure_twice_ends_the_job(tmp_path, capsys):

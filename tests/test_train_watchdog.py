@@ -134,3 +134,26 @@ def test_every_minutes_saves_after_the_same_step_on_every_rank_and_heartbeats_sa
     assert "collective timeout 60 s from now on" in printed
     beat = json.loads((out / "heartbeat" / "rank_0.json").read_text())
     assert beat["state"] == "finished" and beat["step"] == 3 and beat["started"]
+
+
+def test_child_states_say_where_the_kernel_has_each_worker_wait():
+    """A hang report lists the rank's children with their state and wait channel: what tells a stopped worker (T),
+    a worker stuck on a lock (S in a futex) and an idle one apart."""
+    import signal
+    import subprocess
+    import time
+
+    from convit_scale.train.watchdog import child_states
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    stopped = subprocess.Popen(["sleep", "30"])
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        states = {c["pid"]: c for c in child_states()}
+        assert states[sleeper.pid]["state"] == "S" and "sleep" in states[sleeper.pid]["wchan"]
+        assert states[stopped.pid]["state"] in ("T", "t")
+    finally:
+        for p in (sleeper, stopped):
+            p.kill()
+            p.wait()

@@ -290,8 +290,10 @@ def dump_flight_recorder(path: Path) -> str | None:
 
 
 def child_states() -> list[dict]:
-    """This process's children (DataLoader workers) and their state: a stopped (T) or uninterruptible (D) worker
-    is where a rank waiting for data is stuck."""
+    """This process's children (DataLoader workers), their state and where the kernel has them wait (``wchan``): a
+    stopped (T) or uninterruptible (D) worker is where a rank waiting for data is stuck; a sleeping one waiting in a
+    futex waits on a lock (a worker is forked from a process with other threads: a lock one of them held at the fork
+    stays held in the worker), where an idle one waits on its queue's pipe."""
     found = []
     for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         try:
@@ -304,7 +306,11 @@ def child_states() -> list[dict]:
             except OSError:
                 continue
             name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
-            found.append({"pid": int(pid), "name": name, "state": state})
+            try:
+                wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+            except OSError:
+                wchan = ""
+            found.append({"pid": int(pid), "name": name, "state": state, "wchan": wchan})
     return found
 
 
