@@ -1,10 +1,17 @@
-"""Hard distillation (Table 4) under FSDP2 and ZeRO-3 with 2 ranks, from a small teacher trained here."""
+"""The Table 4 teacher (convit_scale/train/distill.py): hard distillation under FSDP2 and ZeRO-3 with 2 ranks, from
+a small teacher trained here; bad teacher files refused before training; the teacher pinned by content (its SHA-256,
+whatever the file is called) and by an accuracy band."""
 
 import hashlib
+import json
+import types
 
 import pytest
 import torch
 from support import losses, records, run_cli, run_many, tiny_recipe
+
+from convit_scale.config import load_config
+from convit_scale.train import distill
 
 TEACHER = "regnety_002"  # the RegNetY family of the paper's RegNetY-16GF, CPU-sized
 _TEACHER_SHA: dict = {}
@@ -161,33 +168,6 @@ def test_eval_command_measures_a_teacher(fm_wds, teacher_file):
     assert f"{TEACHER}: top-1" in res.stdout and "(200 images on cpu, wds data, " in res.stdout
 
 
-def test_soft_distillation_is_deits_formula(teacher_file):
-    """soft: tau^2 x KL(teacher || student) at temperature tau, averaged over batch and classes (DeiT),
-    mixed with the label loss by alpha; zero when the student already matches the teacher."""
-    import timm
-    from safetensors.torch import load_file
-
-    from convit_scale.config import DistillConfig
-    from convit_scale.train.loss import DistillLoss
-
-    teacher = timm.create_model(TEACHER, num_classes=10)
-    teacher.load_state_dict(load_file(str(teacher_file)))
-    x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 10, (6,))
-    student = torch.randn(6, 10)
-    ce = torch.nn.functional.cross_entropy
-    with torch.no_grad():
-        t = teacher.eval()(x)
-    for tau in (1.0, 3.0):
-        loss = DistillLoss(ce, teacher, DistillConfig(type="soft", alpha=1.0, tau=tau))
-        pt, ps = (t / tau).softmax(1), (student / tau).softmax(1)
-        by_hand = (pt * (pt.log() - ps.log())).sum() * tau**2 / student.numel()
-        assert torch.allclose(loss(x, student, y), by_hand, atol=1e-6)
-        assert loss(x, t.clone(), y).abs() < 1e-6
-    mixed = DistillLoss(ce, teacher, DistillConfig(type="soft", alpha=0.25, tau=2.0))
-    pure = DistillLoss(ce, teacher, DistillConfig(type="soft", alpha=1.0, tau=2.0))
-    assert torch.allclose(mixed(x, student, y), 0.75 * ce(student, y) + 0.25 * pure(x, student, y), atol=1e-6)
-
-
 @pytest.mark.slow
 def test_soft_distillation_trains_towards_the_teacher(fm_wds, teacher_file, distill_runs):
     import timm
@@ -241,3 +221,78 @@ def test_teacher_below_min_top1_is_refused_before_training(fm_wds, tmp_path):
     assert len(errors) == 1 and "random.safetensors" in errors[0] and "teacher_min_top1 = 50" in errors[0]
     assert "teacher" in res.stdout and "validation images" in res.stdout
     assert records(tmp_path / "weak") == []  # not one training step
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A RegNetY with random weights, in a file named as DeiT names its teacher: the name alone proves nothing."""
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("teacher") / "regnety_160-a5fe301d.safetensors"
+    save_file({k: v.contiguous() for k, v in timm.create_model(TEACHER, num_classes=10).state_dict().items()},
+              str(path))
+    return path
+
+
+def _pinned_recipe(tmp_path, data, teacher, **distill_keys):
+    from support import tiny_recipe
+
+    return tiny_recipe(tmp_path / "r.yaml", "wds", data, tmp_path / "run",
+                       distill={"enabled": True, "teacher_model": TEACHER, "teacher_checkpoint": str(teacher),
+                                **distill_keys})
+
+
+def test_a_renamed_teacher_whose_content_is_not_the_pinned_one_is_refused(fm_wds, teacher, tmp_path, capsys):
+    """Named regnety_160-a5fe301d, or anything else: the recipe's pin is checked against the file's SHA-256."""
+    from convit_scale.cli import main
+
+    sha = hashlib.sha256(teacher.read_bytes()).hexdigest()
+    renamed = teacher.parent / "teacher.safetensors"
+    renamed.write_bytes(teacher.read_bytes())
+    for path in (teacher, renamed):
+        r = _pinned_recipe(tmp_path, fm_wds, path, teacher_sha256="a5fe301d")
+        assert main(["train", "--recipe", str(r)]) == 2
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert str(path) in line and sha in line and "does not start with a5fe301d" in line, line
+        assert "distill.teacher_sha256" in line and "regnety_160-a5fe301d.pth" in line
+        assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_pinned_file_loads_whatever_its_name_and_ranks_reuse_its_hash(fm_wds, teacher, tmp_path, monkeypatch):
+    sha = hashlib.sha256(teacher.read_bytes()).hexdigest()
+    renamed = teacher.parent / "any_name.safetensors"
+    renamed.write_bytes(teacher.read_bytes())
+    cfg = load_config(_pinned_recipe(tmp_path, fm_wds, renamed, teacher_sha256=sha[:12]))
+    distill.build_teacher(cfg)  # preflight: hashes the file, then keeps the hash in the run's folder
+    cached = json.loads((tmp_path / "run" / distill.HASH_CACHE).read_text())
+    assert cached["sha256"] == sha and cached["path"] == str(renamed.resolve())
+
+    def no_rehash(*args):
+        raise AssertionError("the teacher was hashed again")
+
+    monkeypatch.setattr(distill, "_sha256", no_rehash)
+    distill.build_teacher(cfg)  # another rank, or the job after a requeue: the run's folder has the hash
+    renamed.write_bytes(teacher.read_bytes())  # the file changed (its modification time): hashed again
+    with pytest.raises(AssertionError, match="hashed again"):
+        distill.build_teacher(cfg)
+
+
+def test_the_accuracy_band_refuses_a_teacher_above_it(fm_wds, teacher, tmp_path, capsys):
+    from convit_scale.config import DataConfig
+    from convit_scale.data import LoaderSpec, build_loader
+
+    plain = tmp_path / "plain.safetensors"
+    plain.write_bytes(teacher.read_bytes())
+    cfg = load_config(_pinned_recipe(tmp_path, fm_wds, plain, teacher_min_top1=0.0, teacher_max_top1=0.0))
+    model = distill.build_teacher(cfg)
+    loader = build_loader(DataConfig(format="wds", val_path=str(fm_wds), num_workers=0), LoaderSpec("val", 16, 50))
+    ctx = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), is_main=True)
+    top1 = distill.evaluate(model, loader, ctx.device)["top1"]
+    assert top1 > 0  # a random 10-class teacher gets some right
+    with pytest.raises(ValueError, match=r"above distill.teacher_max_top1 = 0: wrong file"):
+        distill.check_teacher(model, cfg, loader, ctx)
+    cfg.distill.teacher_max_top1 = 100.0
+    distill.check_teacher(model, cfg, loader, ctx)  # inside the band
+    assert "teacher_max_top1 = 100" in capsys.readouterr().out
