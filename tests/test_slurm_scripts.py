@@ -1,0 +1,43 @@
+"""The #SBATCH reader (convit_scale/slurm_scripts.py): a job script's options, its recipe, and the job shape read
+from them."""
+
+from __future__ import annotations
+
+from convit_scale.config import recipe_path
+from convit_scale.slurm_scripts import job_scripts, read_script
+
+SCRIPT = """#!/bin/bash
+#SBATCH --job-name=convit_x
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node 4
+#SBATCH --cpus-per-task=12
+#SBATCH --requeue
+#SBATCH --signal=USR1@300
+# #SBATCH --nodes=9 is a comment, not an option
+RECIPE=${RECIPE:-recipes/convit_x.yaml} exec bash slurm/launch.sh
+"""
+
+
+def test_options_recipe_and_shape_of_one_script(tmp_path):
+    path = tmp_path / "convit_x.sh"
+    path.write_text(SCRIPT)
+    s = read_script(path)
+    assert s.recipe == "recipes/convit_x.yaml"
+    assert s.options == {"job-name": "convit_x", "nodes": "2", "ntasks-per-node": "4", "cpus-per-task": "12",
+                         "requeue": "", "signal": "USR1@300"}
+    assert (s.nodes, s.tasks_per_node, s.gpus_per_node, s.cpus_per_task) == (2, 4, 4, 12)  # a GPU per task by default
+    assert s.number("time", 60) == 60
+
+
+def test_job_scripts_are_those_that_run_a_recipe_of_their_own(tmp_path):
+    (tmp_path / "convit_x.sh").write_text(SCRIPT)
+    (tmp_path / "train.sh").write_text("#!/bin/bash\n#SBATCH --nodes=1\nexec bash slurm/launch.sh\n")
+    assert [s.path.name for s in job_scripts(tmp_path)] == ["convit_x.sh"]
+
+
+def test_the_shipped_job_scripts_run_shipped_recipes():
+    scripts = job_scripts()
+    assert len(scripts) >= 10
+    for s in scripts:
+        assert recipe_path(s.recipe).is_file(), s.path
+        assert s.nodes >= 1 and s.gpus_per_node == s.tasks_per_node, s.path
