@@ -1,12 +1,15 @@
-"""Seeded drop-path (convit_scale/models/convit.py): timm's stochastic depth, decided per sample from its seed."""
+"""The model (convit_scale/models/convit.py): GPSA (fast against reference, attention rows, relative positions, the
+convolutional init, Table 3's switches), meta build then init, activation checkpointing; seeded drop-path: timm's
+stochastic depth, decided per sample from its seed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from timm.layers import DropPath
 
-from convit_scale.models import create_model
-from convit_scale.models.convit import SeededDropPath
+from convit_scale.models import MODELS, create_model, relative_positions
+from convit_scale.models.convit import GPSA, SeededDropPath
 
 
 def test_keep_rate_per_block_is_one_minus_the_linear_rate():
@@ -94,3 +97,111 @@ def test_evaluation_drops_nothing():
     model.train()  # the same decisions in training do change the output
     with torch.no_grad():
         assert not torch.allclose(model(images, drop_path_keep=keep), plain, rtol=1e-3, atol=1e-4)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["convit_micro", "convit_nano"])
+def test_fast_gpsa_matches_reference_outputs_and_gradients(name):
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=7, drop_path_rate=0.0)
+    with torch.no_grad():  # move the gating away from its init so both terms matter
+        for blk in model.gpsa_blocks():
+            blk.attn.gating_param.uniform_(-2, 2)
+    x = torch.randn(5, 3, MODELS[name].img_size, MODELS[name].img_size)
+    outs, grads = {}, {}
+    for impl in ("fast", "reference"):
+        model.zero_grad()
+        model.set_gpsa_impl(impl)
+        outs[impl] = model(x)
+        (outs[impl] ** 2).sum().backward()
+        grads[impl] = _grads(model)
+    assert torch.allclose(outs["fast"], outs["reference"], atol=1e-5, rtol=0)
+    assert grads["fast"].keys() == grads["reference"].keys()
+    for k in grads["fast"]:
+        assert torch.allclose(grads["fast"][k], grads["reference"][k], atol=1e-5, rtol=1e-4), k
+
+
+def test_gpsa_attention_rows_sum_to_one_and_mask_position_is_content_only():
+    torch.manual_seed(0)
+    attn = GPSA(dim=32, num_heads=4, grid_size=4)
+    attn.init_weights()
+    x = torch.randn(2, 16, 32)
+    a = attn.attention_map(x)
+    assert a.shape == (2, 4, 16, 16)
+    assert torch.allclose(a.sum(-1), torch.ones(2, 4, 16), atol=1e-6)
+    with torch.no_grad():
+        attn.gating_param.fill_(-1e4)  # sigma = 0: content only
+    q, k, _ = attn._qkv(x)
+    content = ((q @ k.transpose(-2, -1)) * attn.scale).softmax(-1)
+    assert torch.allclose(attn.attention_map(x), content, atol=1e-6)
+    out_sigma0 = attn(x)
+    with torch.no_grad():
+        attn.gating_param.fill_(3.0)
+    attn.mask = "position"  # Table 6 masking: content attention only, whatever the gating
+    assert torch.allclose(attn.attention_map(x), content, atol=1e-6)
+    assert torch.allclose(attn(x), out_sigma0, atol=1e-6)
+
+
+def test_relative_positions_exact_and_fp32_after_bf16_cast():
+    r = relative_positions(14)
+    assert r.shape == (196, 196, 3)
+    # patch 0 = (row 0, col 0), patch 15 = (row 1, col 1): dx = 1, dy = 1, d^2 = 2
+    assert r[0, 15].tolist() == [1.0, 1.0, 2.0]
+    assert r[:, :, 2].max().item() == 2 * 13**2  # 338 > 256: would round in bf16
+    model = create_model("convit_tiny").to(torch.bfloat16)
+    buf = model.blocks[0].attn.rel_indices
+    assert buf.dtype == torch.float32 and torch.equal(buf, r)
+    assert "blocks.0.attn.rel_indices" not in model.state_dict()  # non-persistent
+
+
+def test_convolutional_init_matches_spec():
+    model = create_model("convit_small")  # 9 heads: a 3x3 grid, centre 1
+    attn = model.blocks[0].attn
+    assert torch.equal(attn.v.weight, torch.eye(432))
+    w = attn.pos_proj.weight
+    for h1 in range(3):
+        for h2 in range(3):
+            assert w[h1 + 3 * h2].tolist() == [2.0 * (h2 - 1), 2.0 * (h1 - 1), -1.0]
+    assert torch.equal(attn.gating_param, torch.ones(9))
+    even = create_model("convit_tiny").blocks[0].attn.pos_proj.weight  # 4 heads: centre 0.5
+    assert even[0].tolist() == [-1.0, -1.0, -1.0] and even[3].tolist() == [1.0, 1.0, -1.0]
+
+
+def test_table3_switches():
+    m = create_model("convit_nano", train_gating=False, conv_init=False)
+    attn = m.blocks[0].attn
+    assert not attn.gating_param.requires_grad and torch.equal(attn.gating_param, torch.zeros(4))
+    assert not torch.equal(attn.v.weight, torch.eye(32))
+    m = create_model("convit_nano", freeze_gpsa=True)
+    for blk in m.gpsa_blocks():
+        assert not any(p.requires_grad for p in blk.attn.parameters())
+        assert all(p.requires_grad for p in blk.mlp.parameters())
+    assert all(p.requires_grad for p in m.blocks[-1].parameters())
+
+
+def test_meta_build_then_init_weights_equals_eager_build():
+    torch.manual_seed(3)
+    eager = create_model("convit_nano")
+    meta = create_model("convit_nano", device="meta")
+    meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    meta.init_weights()
+    for (n, a), (_, b) in zip(eager.state_dict().items(), meta.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert torch.equal(meta.blocks[0].attn.rel_indices, relative_positions(4))
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    torch.manual_seed(0)
+    model = create_model("convit_nano", num_classes=5)
+    x = torch.randn(3, 3, 16, 16)
+    model(x).sum().backward()
+    ref = _grads(model)
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).sum().backward()
+    for k, g in _grads(model).items():
+        assert torch.allclose(g, ref[k], atol=1e-6), k
