@@ -16,7 +16,6 @@ from support import REPO, run_cli, torchrun_cmd
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
 from convit_scale.data.geometry import EpochGeometry
-from convit_scale.imagetree import subsample
 from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
 
 
@@ -147,15 +146,6 @@ def test_verify_catches_a_corrupted_shard_and_loader_refuses_a_truncated_one(fm_
     with pytest.raises(DataError, match="truncated or corrupt shard"):
         for _ in loader.epoch(0):
             pass
-
-
-def test_table2_subset_keeps_first_files_per_class():
-    from convit_scale.imagetree import Sample
-
-    samples = [Sample(f"c{c}/{i:03d}.JPEG", c) for c in range(3) for i in (5, 1, 9, 3, 7, 2, 8)]
-    kept = subsample(samples, 0.3)  # floor(7 * 0.3) = 2 per class, the first in sorted order
-    assert [s.path for s in kept] == ["c0/001.JPEG", "c0/002.JPEG", "c1/001.JPEG", "c1/002.JPEG",
-                                      "c2/001.JPEG", "c2/002.JPEG"]
 
 
 def _global_steps(n: int, world: int, batch: int, groups: int, repeats: int = 1, epoch: int = 0) -> list[list[int]]:
