@@ -139,7 +139,7 @@ def test_webdataset_train_samples_are_unchanged(on_device, monkeypatch):
     a JPEG that cannot be decoded."""
     from convit_scale.config import DataConfig
     from convit_scale.data import wds
-    from convit_scale.data.faults import decode_rgb, next_good
+    from convit_scale.data.faults import next_good, pil_rgb
     from convit_scale.data.transforms import build_train_transform, image_opener
 
     pixels = photo_like(375, 500, seed=5)
@@ -148,7 +148,7 @@ def test_webdataset_train_samples_are_unchanged(on_device, monkeypatch):
              encode(pixels[:240], quality=90, subsampling=1)[:700], encode(pixels[::2], quality=95, subsampling=0)]
     chunk = [("shard", f"k{n}", jpg, n, None) for n, jpg in enumerate(jpegs * 3)]
     transform = build_train_transform(DataConfig(), 64, on_device)
-    assert image_opener(transform) is not decode_rgb
+    assert image_opener(transform) is not pil_rgb
 
     def run():
         def replacement(i, failed):
@@ -158,7 +158,7 @@ def test_webdataset_train_samples_are_unchanged(on_device, monkeypatch):
     before = jpeg_roi.counts()
     images, labels, bad = run()
     used = jpeg_roi.counts()["decoded"] - before["decoded"]
-    monkeypatch.setattr(wds, "image_opener", lambda t: decode_rgb)  # as before: every image decoded whole
+    monkeypatch.setattr(wds, "image_opener", lambda t: pil_rgb)  # as before: every image decoded whole
     ref_images, ref_labels, ref_bad = run()
     assert jpeg_roi.counts()["decoded"] - before["decoded"] == used >= 9  # the boxes of 3 x 3 JPEGs at least
     assert labels == ref_labels and [b["key"] for b in bad] == [b["key"] for b in ref_bad] == ["k4", "k10", "k16"]

@@ -24,8 +24,7 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 
 from .. import jpeg_roi
 from ..config import DataConfig
-from ..data.faults import decode_rgb as pil_decode_rgb
-from ..data.faults import open_jpeg_or_decode
+from ..data.faults import open_jpeg_or_decode, pil_rgb
 from ..data.resample import FILTERS, resized_crop
 from ..data.transforms import build_train_transform
 from ..jpeg import decode_rgb, decode_rgb_box
@@ -80,7 +79,7 @@ def crop_decode_costs(tree: str, seconds: float) -> dict:
     out = {}
     crop = build_train_transform(DataConfig(), OUT).transforms[0]  # timm's, taking undecoded JPEGs too
     kinds = {"decode": (_whole, _box, False), "with_resize": (_whole, _box, True),
-             "webdataset": (_webdataset(crop, pil_decode_rgb), _webdataset(crop, open_jpeg_or_decode), True)}
+             "webdataset": (_webdataset(crop, pil_rgb), _webdataset(crop, open_jpeg_or_decode), True)}
     for kind, (whole, box, resize) in kinds.items():
         for run in (whole, box):  # compile, warm the caches
             run(jpegs[:8], scratch, mid, dst, resize)

@@ -20,7 +20,7 @@ DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.Decompression
 """What PIL raises for bytes that are not a readable image (truncated, corrupt, not an image at all)."""
 
 
-def decode_rgb(data: bytes) -> Image.Image:
+def pil_rgb(data: bytes) -> Image.Image:
     """The RGB image in ``data``, fully decoded (PIL opens lazily: ``convert`` reads every byte)."""
     try:
         return Image.open(io.BytesIO(data)).convert("RGB")
@@ -41,8 +41,8 @@ class CropDecodeError(Exception):
 
 
 def open_jpeg_or_decode(data: bytes) -> Image.Image | UndecodedJpeg:
-    """A JPEG's header only (an ``UndecodedJpeg``), else the image decoded in RGB (``decode_rgb``). Bytes that are no
-    image at all are refused here, as by ``decode_rgb``; a JPEG's corrupt data only when its crop is decoded."""
+    """A JPEG's header only (an ``UndecodedJpeg``), else the image decoded in RGB (``pil_rgb``). Bytes that are no
+    image at all are refused here, as by ``pil_rgb``; a JPEG's corrupt data only when its crop is decoded."""
     try:
         header = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:

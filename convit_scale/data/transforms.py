@@ -26,7 +26,7 @@ from torchvision.transforms import functional as F
 
 from .. import jpeg_roi
 from ..config import DataConfig
-from .faults import DECODE_ERRORS, CropDecodeError, UndecodedJpeg, decode_rgb, open_jpeg_or_decode
+from .faults import DECODE_ERRORS, CropDecodeError, UndecodedJpeg, open_jpeg_or_decode, pil_rgb
 
 
 class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
@@ -75,7 +75,7 @@ def image_opener(transform):
     first = getattr(transform, "transforms", [None])[0]
     if isinstance(first, CropDecodingResizedCrop) and jpeg_roi.warn_if_missing("the WebDataset train loader"):
         return open_jpeg_or_decode
-    return decode_rgb
+    return pil_rgb
 
 
 def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False):

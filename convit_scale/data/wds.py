@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ..config import DataConfig
 from ..manifest import Manifest
 from .batch import Batch
-from .faults import DECODE_ERRORS, CropDecodeError, DataError, decode_rgb, limit_bad_samples, next_good, reason_of
+from .faults import DECODE_ERRORS, CropDecodeError, DataError, limit_bad_samples, next_good, pil_rgb, reason_of
 from .geometry import EpochGeometry, LoaderSpec, eval_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
 from .shards import shard_samples, shard_url, shuffle_buffer
@@ -89,7 +89,7 @@ def _decodable(item) -> tuple | None:
     if reason is not None:
         return None
     try:
-        return decode_rgb(jpg), label
+        return pil_rgb(jpg), label
     except DECODE_ERRORS:
         return None
 
