@@ -253,3 +253,28 @@ def test_prep_index_refuses_samples_without_a_label_naming_the_first(json_shards
         index(json_shards, tmp_path / "b", label="json")
     with pytest.raises(PrepError, match=r"unreadable label \(KeyError"):
         index(json_shards, tmp_path / "c", label="json:target", workers=2)
+
+
+def test_prep_index_streams_remote_shards_named_by_a_brace_pattern(json_shards, tmp_path):
+    """A URL template (here a `pipe:` command, as `pipe:aws s3 cp s3://.../{name} -` would be) and the shards' names
+    as a brace pattern: each shard streamed once, the manifest in --out naming the template; the loader then reads
+    the shards through it. A command that fails is a failed shard, named."""
+    from convit_scale.config import DataConfig
+    from convit_scale.data import LoaderSpec, build_loader
+    from convit_scale.imagetree import PrepError
+    from data_prep.index import index
+
+    remote = f"pipe:cat {json_shards}/{{name}}"
+    m = index(remote, tmp_path / "idx", label="json:label", shards="data-train-{000..002}.tar", workers=2)
+    assert m.root == remote and m.split("train").num_samples == 1000 and "bytes" not in m.split("train").files[
+        "data-train-000.tar"]
+    d = DataConfig(format="wds", train_path=str(tmp_path / "idx"), val_path=str(tmp_path / "idx"), num_workers=0,
+                   repeated_aug=1, global_batch_size=40)
+    batches = build_loader(d, LoaderSpec("train", 16, 40, global_batch_size=40)).epoch(0)
+    first = next(batches)
+    assert len(first.labels) == 40 and first.images.shape[-1] == 16
+    batches.close()
+    with pytest.raises(PrepError, match=r"data-train-003.tar: not a readable tar \(exit status 1: cat: .*No such file"):
+        index(remote, tmp_path / "idx2", label="json:label", shards="data-train-{002..003}.tar")
+    with pytest.raises(PrepError, match="remote shards cannot be listed; name them with --shards"):
+        index(remote, tmp_path / "idx3")

@@ -8,7 +8,7 @@ The layers, from the ground up (a module imports modules of lower layers and of 
 2. leaves that import nothing of the package but files: comm, slurm_scripts (the #SBATCH reader), hardware,
    console, metrics, augment_policy, imagetree, splitmix and splitmix_numba (the counter-based generator of the
    augmentation and of drop-path, in torch and in numba), ffcv_threads, jpeg (shared by the loaders and data_prep/),
-   gpu_wheels (the GPU box's wheel folder);
+   gpu_wheels (the GPU box's wheel folder), streams (a shard's bytes from a file, a command or a URL);
 3. manifest, the description of a prepared dataset (it reads other tools' FFCV files through ffcv_threads);
 4. the models (drop-path per sample draws from splitmix);
 5. config (the recipe);
@@ -36,7 +36,7 @@ LAYERS = [
     ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
      "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
-     "convit_scale.splitmix_numba",
+     "convit_scale.splitmix_numba", "convit_scale.streams",
      "convit_scale.gpu_wheels"],
     ["convit_scale.manifest"],
     ["convit_scale.models"],

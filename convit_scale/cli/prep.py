@@ -49,7 +49,7 @@ def _cmd_verify(args) -> int:
 def _cmd_index(args) -> int:
     from data_prep.index import index
 
-    manifest = index(args.src, args.out, label=args.label, split=args.split, workers=args.workers)
+    manifest = index(args.src, args.out, label=args.label, split=args.split, workers=args.workers, shards=args.shards)
     for split, info in manifest.splits.items():
         print(f"{split}: {info.num_samples} samples in {len(info.files)} shard(s), {len(info.per_class)} labels")
     where = Path(args.out or args.src)
@@ -108,10 +108,13 @@ def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
         "index", help="index WebDataset shards another tool wrote, to train on them where they lie",
         description="Read each shard once (tar headers and label members, no image decoded) and write a "
                     "manifest.json: samples per shard and per class. The shards are not copied or changed.")
-    p.add_argument("src", metavar="SRC", help="a folder of WebDataset shards (*.tar; KEY.jpg with KEY.cls or KEY.json)")
+    p.add_argument("src", metavar="SRC", help="a folder of WebDataset shards (*.tar; KEY.jpg with KEY.cls or "
+                                              "KEY.json), or a URL template with {name} (pipe:..., https://...)")
     p.add_argument("--out", help="write the manifest here instead of into SRC (a read-only SRC); train from --out")
     p.add_argument("--label", default="cls", help="where a sample's label is: cls (KEY.cls, the default) or "
                                                    "json:FIELD (a field of KEY.json, e.g. json:label)")
+    p.add_argument("--shards", help="the shards' names as a brace pattern ('train-{000000..000146}.tar'): needed for a "
+                                    "URL template, a selection of a folder's")
     p.add_argument("--split", help="the split of every shard (default: read from each shard's name: train, val or "
                                    "validation in it)")
     p.add_argument("--workers", type=positive_int, default=usable_cpus(),

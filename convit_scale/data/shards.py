@@ -4,70 +4,14 @@ shuffle buffer. The shards' manifest is ``manifest.py``'s."""
 
 from __future__ import annotations
 
-import shlex
-import subprocess
 import tarfile
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-from webdataset.gopen import gopen
 
 from ..manifest import read_label
+from ..streams import CommandStream, open_stream, shard_url
 from .faults import DataError, reason_of
-
-
-def shard_url(location: str, name: str) -> str:
-    """The URL or path of shard ``name`` at ``location`` (what errors and ``Batch.bad`` name)."""
-    return location.format(name=name) if "{name}" in location else str(Path(location) / name)
-
-
-class _CommandStream:
-    """The standard output of a shell command (a ``pipe:`` URL, or curl for http(s)), whose exit status and
-    standard error are checked: a command that fails is a failed read even when its output looks complete."""
-
-    def __init__(self, command: str):
-        self.command, self.stderr = command, tempfile.TemporaryFile()  # a file: a chatty command never blocks
-        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr)
-
-    def read(self, size: int = -1) -> bytes:
-        return self.proc.stdout.read(size)
-
-    def failure(self, wait: bool = False) -> str | None:
-        """"exit status N: <last line of stderr>" once the command has failed, else None."""
-        status = self.proc.wait() if wait else self.proc.poll()
-        if not status:
-            return None
-        self.stderr.seek(0)
-        lines = [line.strip() for line in self.stderr.read()[-2000:].decode(errors="replace").splitlines()]
-        last = next((line for line in reversed(lines) if line), "")
-        return f"exit status {status}" + (f": {last}" if last else "")
-
-    def finish(self) -> None:
-        """At the end of the archive: read what is left, wait, and raise OSError if the command failed."""
-        while self.proc.stdout.read(1 << 16):
-            pass
-        failure = self.failure(wait=True)
-        if failure:
-            raise OSError(failure)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:  # left early (the range ended inside the shard): not a failure
-            self.proc.kill()
-        self.proc.stdout.close()
-        self.proc.wait()
-        self.stderr.close()
-
-
-def _open_stream(url: str):
-    if url.startswith("pipe:"):
-        return _CommandStream(url[len("pipe:"):])
-    if url.startswith(("http://", "https://")):
-        return _CommandStream(f"curl -fsS -L --connect-timeout 30 {shlex.quote(url)}")
-    if "://" in url:
-        return gopen(url, "rb")
-    return open(url, "rb")
 
 
 def _tar_samples(tar, where: list, label: str = "cls"):
@@ -123,7 +67,7 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
         tries += 1
         opened, stream = False, None
         try:
-            stream = _open_stream(url)
+            stream = open_stream(url)
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 opened, position = True, 0
                 for item in _tar_samples(tar, where, label):
@@ -133,12 +77,12 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
                     position += 1
                     if delivered == count:
                         break
-            if delivered < count and isinstance(stream, _CommandStream):
+            if delivered < count and isinstance(stream, CommandStream):
                 stream.finish()
             if delivered < count:
                 raise tarfile.ReadError(f"the shard ends after {delivered} of {count} samples")
         except (OSError, tarfile.TarError, EOFError) as e:
-            failure = stream.failure(wait=True) if isinstance(stream, _CommandStream) else None
+            failure = stream.failure(wait=True) if isinstance(stream, CommandStream) else None
             reason = failure or reason_of(e)
             if tries <= retries and not (local and isinstance(e, (tarfile.TarError, EOFError))):
                 sleep(backoff_s * 2 ** (tries - 1))
