@@ -1,11 +1,24 @@
 """The image tree of a class-per-folder dataset (convit_scale/imagetree.py): its class folders scanned, Table 2's
-subsets."""
+subsets, a flat val/ folder labelled by the Kaggle solution file or the devkit's ground truth."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from PIL import Image
 
 from convit_scale.imagetree import subsample
+from data_prep import PrepError, PrepOptions, prepare
+
+
+def _jpeg(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:
+    buf = io.BytesIO()
+    img = Image.new("RGB", size, color)
+    if mode != "RGB":
+        img = img.convert(mode)
+    img.save(buf, format=fmt)
+    return buf.getvalue()
 
 
 def test_table2_subset_keeps_first_files_per_class():
@@ -38,3 +51,34 @@ def test_class_folders_are_scanned_in_order_and_odd_folders_reported(tmp_path):
                         {"path": str(val / "n99"), "reason": "class folder not among the train classes"}]
     with pytest.raises(PrepError, match="no train folder"):
         list_classes(tmp_path / "missing")
+
+
+def _flat_val_tree(root, val_names):
+    """Two train classes (n01, n02) of one image each and a flat val/ folder with these file names."""
+    for c in ("n01", "n02"):
+        (root / "train" / c).mkdir(parents=True)
+        (root / "train" / c / "a.JPEG").write_bytes(_jpeg())
+    (root / "val").mkdir()
+    for name in val_names:
+        (root / "val" / name).write_bytes(_jpeg())
+    return root
+
+
+def test_flat_val_with_kaggle_labels(tmp_path):
+    root = _flat_val_tree(tmp_path / "src", [f"ILSVRC2012_val_{i:08d}.JPEG" for i in range(3)])
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"ILSVRC2012_val_{i:08d},{w} 1 2 3 4\n" for i, w in enumerate(["n02", "n01", "n02"])))
+    m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1)).to_dict()
+    assert m["splits"]["val"]["per_class"] == {"0": 1, "1": 2}
+
+
+def test_flat_val_with_devkit_ground_truth(tmp_path):
+    root = _flat_val_tree(tmp_path / "src", [f"ILSVRC2012_val_{i + 1:08d}.JPEG" for i in range(3)])
+    # ILSVRC ids are 1-based positions in the synset list, which is not the sorted class order
+    (tmp_path / "synsets.txt").write_text("n02 thing two\nn01 thing one\n")
+    (tmp_path / "gt.txt").write_text("1\n2\n1\n")
+    m = prepare(root, tmp_path / "o", PrepOptions(fmt="wds", workers=1, val_labels=str(tmp_path / "gt.txt"),
+                                                  val_synsets=str(tmp_path / "synsets.txt")))
+    assert m.split("val").per_class == {"0": 1, "1": 2}  # n01 -> 0 once, n02 -> 1 twice
+    with pytest.raises(PrepError, match="needs --val-synsets"):
+        prepare(root, tmp_path / "o2", PrepOptions(fmt="wds", workers=1, val_labels=str(tmp_path / "gt.txt")))
