@@ -10,7 +10,7 @@ import pytest
 # module fixtures are built once). The longest files go first so that none starts last and runs alone.
 LONGEST_FIRST = ["test_slurm.py", "test_train_engine.py", "test_train_distill.py", "test_train_elastic.py",
                  "test_train_engine_faults.py", "test_experiments_demo.py", "test_experiments_sample_efficiency.py",
-                 "test_planner.py", "test_models.py", "test_planner_comm.py", "test_data.py",
+                 "test_planner.py", "test_bench_mfu.py", "test_planner_comm.py", "test_data.py",
                  "test_data_augment_on.py", "test_launchers.py", "test_data_ffcv.py", "test_data_faults.py"]
 
 

@@ -1,5 +1,4 @@
-"""`bench mfu` over the models' forward FLOPs (the model's own tests: test_models_convit.py, test_models_registry.py,
-test_models_weights.py)."""
+"""`bench mfu` (convit_scale/bench/mfu.py) over the models' forward FLOPs."""
 
 import math
 
