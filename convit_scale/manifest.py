@@ -314,6 +314,10 @@ def _read_json(location: str, name: str) -> dict:
                 text = f.read()
         else:
             path = Path(location) / name
+            if not path.is_file() and any(Path(location).glob("*.tar")):
+                raise DataError(f"{location}: WebDataset shards without {name} or timm's {TIMM_INFO}; describe them "
+                                f"once with `convit-scale prep index {location}` (--out DIR where the folder is "
+                                f"read-only)")
             if not path.is_file():
                 raise DataError(f"{location}: no {name} (not found); convert with `convit-scale prep`, or, for "
                                 f"WebDataset shards another tool wrote, give the folder timm's {TIMM_INFO}")

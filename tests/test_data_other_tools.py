@@ -48,8 +48,11 @@ def test_timm_layout_is_described_by_its_info_file(timm_shards):
         m.split("test")
     (timm_shards / "_info.json").rename(timm_shards / "_info.bak")
     try:
-        with pytest.raises(DataError, match="no manifest.json .*give the folder timm's _info.json"):
+        with pytest.raises(DataError, match="WebDataset shards without manifest.json or timm's _info.json; describe "
+                                            "them once with `convit-scale prep index"):
             Manifest.read(timm_shards)
+        with pytest.raises(DataError, match="describe them once with `convit-scale prep index"):
+            detect_format(str(timm_shards))
     finally:
         (timm_shards / "_info.bak").rename(timm_shards / "_info.json")
 

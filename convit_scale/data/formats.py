@@ -29,6 +29,8 @@ def detect_format(location: str) -> str:
         train = Path(location) / "train"
         if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
             return "imagefolder"
+        if any(Path(location).glob("*.tar")):
+            Manifest.read(location)  # refuses shards without a description, naming `prep index`
         raise DataError(f"{location}: neither a `convit-scale prep` output (no manifest.json), WebDataset shards "
                         f"with timm's {TIMM_INFO}, nor an ImageFolder root (no class folders in train/); name the "
                         f"format with --format {'|'.join(FORMATS)}")
