@@ -35,12 +35,3 @@ def test_numba_draws_are_torchs(seed):
     for k in range(41):  # the decoders' uniforms: the top 53 bits of their counters' draws
         u = srl(draw(keys_of(torch.tensor([seed])), torch.tensor([jit.DECODE_COUNTER + k])), 11).double() * 2.0 ** -53
         assert jit.uniform(np.uint64(seed), k) == u.item()
-
-
-def test_decoder_counters_are_apart_from_the_others():
-    """Crop and flip draw from a sample's seed, as the device augmentation (counters from 0) and drop-path do: their
-    counter ranges must not meet, or a crop and a RandAugment choice would be the same number."""
-    from convit_scale.models.convit import DROP_PATH_COUNTER
-    from convit_scale.splitmix_numba import DECODE_COUNTER, FLIP_DRAW
-
-    assert 10_000 < DECODE_COUNTER and DECODE_COUNTER + FLIP_DRAW < DROP_PATH_COUNTER
