@@ -123,58 +123,6 @@ def test_wds_evaluation_replaces_a_corrupt_jpeg_with_the_next_good_sample_of_its
     assert sum(len(b[1]) for b in got) == sum(len(b[1]) for b in clean)
 
 
-def _flaky_pipe(tmp_path, folder, when_failing: str) -> str:
-    """A ``pipe:`` location whose command runs ``when_failing`` for the first two opens of a .tar shard (a
-    counter file counts the opens), then streams the shard; the manifest always streams."""
-    counter = tmp_path / "opens"
-    counter.write_text("0")
-    return (f"pipe:case {{name}} in *.tar) n=$(cat {counter}); echo $((n+1)) > {counter}; "
-            f"if [ $n -lt 2 ]; then {when_failing}; fi;; esac; cat {folder}/{{name}}")
-
-
-def test_a_pipe_that_fails_twice_then_streams_is_read(fm_wds, tmp_path):
-    local = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0)
-    reference = _epoch(build_loader(local, LoaderSpec("val", 32, 50)))
-    n_shards = len(list(fm_wds.glob("val-*.tar")))
-    for when_failing, what in (("echo 'connection reset' >&2; exit 1", "open"),  # exits non-zero, no data
-                               (f"head -c 5000 {fm_wds}/{{name}}; exit 0", "stream")):  # ends mid-shard
-        url = _flaky_pipe(tmp_path, fm_wds, when_failing)
-        d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 2, "open_retry_backoff_s": 0.01})
-        got = _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
-        assert (tmp_path / "opens").read_text().strip() == str(n_shards + 2), what  # two failed tries, then one each
-        assert len(got) == len(reference) and all(not b for _, _, b in got), what
-        assert all(torch.equal(x0, x1) and torch.equal(y0, y1) for (x0, y0, _), (x1, y1, _) in zip(reference, got))
-    # one retry is not enough: one line naming the shard, the tries and the command's failure
-    url = _flaky_pipe(tmp_path, fm_wds, "echo 'connection reset' >&2; exit 3")
-    d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 1, "open_retry_backoff_s": 0.01})
-    with pytest.raises(DataError, match=r"^pipe:case .*val-\S+\.tar: could not be opened after 2 tries "
-                                        r"\(exit status 3: connection reset\); data.open_retries = 1$"):
-        _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
-
-
-def test_imagefolder_unreadable_files_are_replaced_counted_and_limited(tmp_path):
-    from data_prep.fashion_mnist import build_tree
-
-    root = build_tree(tmp_path / "tree", {"train": 5, "val": 1})
-    files = sorted((root / "train").rglob("*.JPEG"))
-    files[3].write_bytes(b"not an image")
-    files[7].write_bytes(files[7].read_bytes()[:100])  # truncated
-    d = DataConfig(format="imagefolder", train_path=str(root), val_path=str(root), num_workers=0, repeated_aug=1)
-    loader = build_loader(d, LoaderSpec("train", 32, 10))
-    first = _epoch(loader)
-    bad = [r for _, _, rs in first for r in rs]
-    assert sorted(r["file"] for r in bad) == sorted(str(f) for f in (files[3], files[7]))
-    assert all(r["reason"].startswith("unreadable image") and r["key"] == r["file"].rsplit("/", 1)[1].rsplit(".", 1)[0]
-               for r in bad)
-    again = _epoch(loader)
-    assert all(torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1
-               for (x0, y0, b0), (x1, y1, b1) in zip(first, again))
-    strict = build_loader(DataConfig(**{**d.__dict__, "max_bad_samples": 1}), LoaderSpec("train", 32, 10))
-    with pytest.raises(DataError, match=r"data.max_bad_samples = 1") as e:
-        _epoch(strict)
-    assert str(e.value).split(":")[0] in {str(files[3]), str(files[7])}
-
-
 def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, tmp_path):
     """One process, wds: the bad samples of the steps run appear in metrics.jsonl, as the loader lists them."""
     path, _ = broken_wds
