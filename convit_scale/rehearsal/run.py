@@ -535,9 +535,10 @@ def report(result: dict) -> None:
           f"{result['steps']} steps, {result['wall_s']:.0f} s")
     for name, failure in result["checks"].items():
         print(f"  {'ok  ' if failure is None else 'FAIL'} {name}" + ("" if failure is None else f": {failure}"))
+    back = result["requeue_nodes"] * result["tasks_per_node"]  # the ranks the requeued job starts
     print(f"  goodput: signal -> checkpoint published {g['signal_to_checkpoint_published_s']} s; requeue -> first new "
           f"step {g['requeue_to_first_new_step_s']} s (Slurm's requeue {g['requeue_to_restart_s']} s, start-up and "
-          f"resume of {result['ranks']} ranks {g['restart_to_first_new_step_s']} s); signal -> first new step "
+          f"resume of {back} ranks {g['restart_to_first_new_step_s']} s); signal -> first new step "
           f"{g['signal_to_first_new_step_s']} s; steps lost {g['steps_lost']}")
     print(f"  memory: {result['ranks']} ranks {m['ranks_rss_mb_max']} MB RSS ({m['ranks_anon_mb_max']} MB of it "
           f"anonymous, not shared), largest rank {m['rank_rss_mb_max']} MB; machine in use at most "
