@@ -77,17 +77,3 @@ def test_step_stats_are_named_slots_of_one_reduction():
     totals = stats.reduce()  # no process group: the identity
     assert isinstance(totals, StepTotals) and totals.loss_sum == 3.0 and totals.stop == 1.0
     assert totals.bad_loss == totals.grad_sq == totals.bad_samples == 0.0
-
-
-@pytest.mark.parametrize("every_seconds,logged", [(1e-9, [1, 2, 3, 4]), (1e9, [4])])
-def test_log_records_by_time_on_rank_0s_clock(every_seconds, logged, fm_tree, tmp_path):
-    """log.every_steps null, log.every_seconds: a record when rank 0's clock says so, agreed in the step's reduction
-    (its log_due slot), and always one at the end."""
-    from convit_scale.config import load_config
-
-    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", data={"val_path": ""},
-                    schedule={"max_steps": 4}, log={"every_steps": None, "every_seconds": every_seconds,
-                                                    "progress": False})
-    assert train_here(r) == 0
-    assert [t["step"] for t in records(tmp_path / "out")] == logged
-    assert load_config("recipes/table1/convit_base_plus.yaml", []).log.every_seconds == 30  # the GPU recipes' rate
