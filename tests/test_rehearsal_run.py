@@ -1,6 +1,6 @@
-"""The rehearsal's parts that run in seconds: the job shapes it reads from the Slurm scripts, its refusals, the
-4 x 8 local cluster it starts (tasks placed as srun places them on a real one), and its checks on two jobs' records.
-The rehearsal itself (32 ranks, about 8 minutes) is `make rehearsal`, not part of the suite."""
+"""The rehearsal's parts that run in seconds (convit_scale/rehearsal/run.py): the job shapes it reads from the Slurm
+scripts, its refusals, its recipe, and its checks on two jobs' records. Its local cluster is tested in
+test_rehearsal_cluster.py; the rehearsal itself (32 ranks, about 8 minutes) is `make rehearsal`, not in the suite."""
 
 from __future__ import annotations
 
