@@ -57,21 +57,31 @@ def test_timm_layout_is_described_by_its_info_file(timm_shards):
         (timm_shards / "_info.bak").rename(timm_shards / "_info.json")
 
 
-def test_train_and_evaluate_from_timm_shards_without_prep(timm_shards, tmp_path, capsys):
-    """The loader, preflight and eval on another tool's shards, as they are: every step's samples are the shards'
-    own (labels from .cls), and the whole validation split is evaluated once."""
+def test_train_resume_evaluate_and_analyse_timm_shards_without_prep(timm_shards, tmp_path, capsys):
+    """The loader, preflight, eval and analyze on another tool's shards, as they are: every step's samples are the
+    shards' own (labels from .cls), a run of 2 steps on 1 rank continues on 2 ranks with none of its samples twice,
+    and the whole validation split is evaluated once."""
+    from support import run_ranks
+
     out = tmp_path / "run"
-    r = tiny_recipe(tmp_path / "r.yaml", "wds", timm_shards, out, schedule={"max_steps": 3},
-                    log={"every_steps": 1, "progress": False, "debug_samples": True})
+    r = tiny_recipe(tmp_path / "r.yaml", "wds", timm_shards, out, schedule={"max_steps": 2},
+                    checkpoint={"every_steps": 2}, log={"every_steps": 1, "progress": False, "debug_samples": True})
     assert train_here(r) == 0
+    res = run_ranks(r, "schedule.max_steps=4")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert [rec["step"] for rec in records(out, "samples")] == [1, 2, 3, 4]
     ids = [i for rec in records(out, "samples") for i in rec["ids"]]
-    assert len(ids) == 3 * 32 and all(str(i).split("/")[0].startswith("imagenet1k-train-") for i in ids), ids[:3]
+    assert len(ids) == 4 * 32 == len(set(ids))
+    assert all(str(i).split("/")[0].startswith("imagenet1k-train-") for i in ids), ids[:3]
     assert records(out, "eval")[-1]["samples"] == 200
     res = tmp_path / "eval.json"
     assert main(["eval", "--checkpoint", str(out), "--data", str(timm_shards), "--workers", "0", "--device", "cpu",
                  "--results-file", str(res)]) == 0
     r = json.loads(res.read_text())
     assert r["format"] == "wds" and r["images"] == 200 and {c["class"] for c in r["per_class"]} == {None}
+    assert main(["analyze", "--checkpoint", str(out), "--data", str(timm_shards), "--out", str(tmp_path / "a"),
+                 "--images", "40", "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "a" / "analysis.json").read_text())["images"] == 40
 
 
 def test_prep_wds_shards_are_read_by_timms_own_reader(fm_wds):
@@ -148,9 +158,10 @@ def test_ffcv_files_are_described_by_their_label_column(ffcv_imagenet, fm_ffcv):
         Manifest.read(ffcv_imagenet, ("img", "label"))
 
 
-def test_train_resume_on_two_ranks_evaluate_and_verify_ffcv_imagenet_files(ffcv_imagenet, fm_tree, tmp_path):
+def test_train_resume_on_two_ranks_evaluate_analyse_and_verify_ffcv_imagenet_files(ffcv_imagenet, fm_tree, tmp_path):
     """ffcv-imagenet's files as they are: a run of 2 steps on 1 rank resumed on 2 ranks continues the same samples,
-    a Table 2 subset takes the first images of each class, eval reads the val file, and `prep verify` checks them."""
+    a Table 2 subset takes the first images of each class, eval and analyze read the val file, and `prep verify`
+    checks them."""
     from support import run_ranks
 
     from convit_scale.config import DataConfig
@@ -172,6 +183,9 @@ def test_train_resume_on_two_ranks_evaluate_and_verify_ffcv_imagenet_files(ffcv_
     assert main(["eval", "--checkpoint", str(out), "--data", str(ffcv_imagenet / "val_32_0.50_90.ffcv"),
                  "--workers", "0", "--device", "cpu", "--results-file", str(res)]) == 0
     assert json.loads(res.read_text())["images"] == 200
+    assert main(["analyze", "--checkpoint", str(out), "--data", str(ffcv_imagenet / "val_32_0.50_90.ffcv"),
+                 "--out", str(tmp_path / "a"), "--images", "40", "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "a" / "analysis.json").read_text())["images"] == 40
     half = DataConfig(format="ffcv", train_path=str(ffcv_imagenet), val_path=str(ffcv_imagenet), num_workers=1,
                       subset_fraction=0.5, repeated_aug=1)
     loader = build_loader(half, LoaderSpec("train", 16, 10, seed=0))
