@@ -159,6 +159,10 @@ class DataConfig:
     """Validation data, same form as train_path."""
     ffcv_fields: tuple[str, str] = ("image", "label")
     """FFCV files: the names of the image field (an RGBImageField) and the label field (an IntField)."""
+    num_classes: int | None = None
+    """Keep the first N labels only, train and val (the appendix's 100-class experiments, the official code's
+    --nb_classes): FFCV files and ImageFolder trees at load time, WebDataset shards converted with them (`prep wds
+    --num-classes N`); null keeps every class."""
     global_batch_size: int = 1024
     """Images per optimizer step over all ranks: a property of the recipe, not of the cluster."""
     micro_batch_size: int | None = None
@@ -243,6 +247,8 @@ class DataConfig:
             fail("data.num_workers", self.num_workers, "must be >= 0")
         if not 0.0 < self.subset_fraction <= 1.0:
             fail("data.subset_fraction", self.subset_fraction, "must be in (0, 1]")
+        if self.num_classes is not None and self.num_classes < 1:
+            fail("data.num_classes", self.num_classes, "must be >= 1, or null (every class)")
         for key in ("hflip", "reprob", "mixup_prob", "mixup_switch_prob"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 fail(f"data.{key}", getattr(self, key), "a probability in [0, 1]")

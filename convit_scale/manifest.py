@@ -202,6 +202,13 @@ class Manifest:
                             f"{fraction * self.subset_fraction:g} of each class; allowed: a .beton of the whole train "
                             f"set (FFCV subsets are taken at load time), or data.subset_fraction = 1.0")
 
+    def require_classes(self, num_classes: int | None) -> None:
+        """WebDataset shards keep the first N classes only when converted so (``prep wds --num-classes N``)."""
+        if num_classes is not None and self.num_classes != num_classes:
+            raise DataError(f"{self.location}: shards hold {self.num_classes} classes, data.num_classes = "
+                            f"{num_classes}; convert with `convit-scale prep wds --num-classes {num_classes}` "
+                            f"(WebDataset keeps a class subset at conversion), or set data.num_classes = null")
+
     def require_subset(self, fraction: float) -> None:
         """WebDataset subsets (Table 2) are made at conversion: the shards must hold the recipe's fraction."""
         if not math.isclose(self.subset_fraction, fraction):

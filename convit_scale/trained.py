@@ -28,8 +28,9 @@ the newest by listing the folder)."""
 BEST = "best"
 """The checkpoints folder's copy of the best evaluation so far: ``model.safetensors`` (the whole model, fp32, as
 ``convit-scale export`` writes it) and ``meta.json``; outside the steps that resume and pruning see."""
-EVAL_VIEW = ("eval_crop_ratio", "interpolation")
-"""The recipe's data fields that decide the evaluation's pixels (resize to size / crop ratio, centre crop)."""
+EVAL_VIEW = ("eval_crop_ratio", "interpolation", "num_classes")
+"""The recipe's data fields that decide what the evaluation sees: its pixels (resize to size / crop ratio, centre
+crop) and its classes (the first ``num_classes`` labels)."""
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -210,3 +210,25 @@ def test_ffcv_field_names_are_set_by_the_recipe(fm_tree, tmp_path):
     batches = list(build_loader(d, LoaderSpec("val", 16, 50)).epoch(0))
     assert sum(len(b.labels) for b in batches) == 200
     assert batches[0].images.shape[1:] == (3, 16, 16) and batches[0].labels.tolist()[:3] == [0, 0, 0]
+
+
+def test_data_num_classes_keeps_the_first_labels_at_load_or_refuses_shards_converted_without(ffcv_imagenet, fm_tree,
+                                                                                              fm_wds):
+    """The appendix's 100-class runs from whole data: FFCV files (here ffcv-imagenet's) and ImageFolder trees keep
+    the first N labels at load time, Table 2's subset within them; WebDataset shards hold their classes from the
+    conversion, so shards of all 10 are refused for N = 4, naming the command that makes them."""
+    from convit_scale.config import DataConfig
+    from convit_scale.data import LoaderSpec, build_loader
+
+    d = DataConfig(format="ffcv", train_path=str(ffcv_imagenet), val_path=str(ffcv_imagenet), num_workers=1,
+                   subset_fraction=0.5, repeated_aug=1, num_classes=4)
+    assert build_loader(d, LoaderSpec("train", 16, 10)).num_samples == 4 * 50
+    labels = [int(x) for b in build_loader(d, LoaderSpec("val", 16, 40)).epoch(0) for x in b.labels]
+    assert sorted(labels) == sorted(list(range(4)) * 20)
+    tree = DataConfig(format="imagefolder", train_path=str(fm_tree), val_path=str(fm_tree), num_workers=0,
+                      num_classes=3)
+    assert build_loader(tree, LoaderSpec("val", 16, 20)).num_samples == 3 * 20
+    shards = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0, num_classes=4)
+    with pytest.raises(DataError, match=r"shards hold 10 classes, data.num_classes = 4; convert with `convit-scale "
+                                        r"prep wds --num-classes 4`"):
+        build_loader(shards, LoaderSpec("val", 16, 20))

@@ -66,7 +66,7 @@ def _view(args, checkpoint) -> tuple[dict, str]:
     own = eval_view(checkpoint)
     deit = DataConfig()
     view = {"eval_crop_ratio": own.get("eval_crop_ratio", deit.eval_crop_ratio),
-            "interpolation": own.get("interpolation", deit.interpolation)}
+            "interpolation": own.get("interpolation", deit.interpolation), "num_classes": own.get("num_classes")}
     flags = {"eval_crop_ratio": args.crop_ratio, "interpolation": args.interpolation}
     view.update({k: v for k, v in flags.items() if v is not None})
     changed = [f"--{k.replace('eval_', '').replace('_', '-')}" for k, v in flags.items() if v is not None]

@@ -44,21 +44,22 @@ from .order import view_seeds
 from .private_aug import PrivateAugment
 
 
-def subset_indices(manifest: Manifest, split: str, fraction: float,
-                   fields: tuple[str, str] = FFCV_FIELDS) -> tuple[Path, np.ndarray]:
+def subset_indices(manifest: Manifest, split: str, fraction: float, fields: tuple[str, str] = FFCV_FIELDS,
+                   num_classes: int | None = None) -> tuple[Path, np.ndarray]:
     """The FFCV file of ``split`` and the sample indices of its Table 2 subset: the first floor(n_c * f) samples of
     each class in file order (``prep ffcv`` writes sorted (class, file) order: the first files of each class), from
-    the file's label column."""
+    the file's label column; with ``num_classes``, of the first classes only."""
     info = manifest.split(split)
     manifest.require_whole(fraction)
     (name,) = info.files
     path = manifest.folder / name
-    if fraction >= 1.0:
+    if fraction >= 1.0 and num_classes is None:
         return path, np.arange(info.num_samples)
     labels = info.labels if info.labels is not None else read_ffcv_labels(path, fields)
     order = np.argsort(labels, kind="stable")  # each class's samples, in file order
     starts = np.concatenate([[0], np.cumsum(np.bincount(labels))])
-    keep = [order[s:s + math.floor((e - s) * fraction)] for s, e in zip(starts[:-1], starts[1:])]
+    classes = len(starts) - 1 if num_classes is None else min(num_classes, len(starts) - 1)
+    keep = [order[s:s + math.floor((e - s) * fraction)] for s, e in zip(starts[:classes], starts[1:classes + 1])]
     return path, np.sort(np.concatenate(keep))
 
 
@@ -73,7 +74,7 @@ class FfcvLoader:
         location = d.train_path if spec.train else d.val_path
         manifest = Manifest.read(location, d.ffcv_fields)
         self._path, indices = subset_indices(manifest, spec.split, d.subset_fraction if spec.train else 1.0,
-                                             d.ffcv_fields)
+                                             d.ffcv_fields, d.num_classes)
         self.num_samples = len(indices)
         self.d, self.spec, self._indices = d, spec, indices.astype(np.uint64)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(location))

@@ -56,9 +56,13 @@ def _collate(items) -> Batch:
     return Batch(images, labels, bad=[record for _, _, bad in items for record in bad])
 
 
-def imagefolder_samples(root: Path, split: str, fraction: float) -> list[tuple[str, int]]:
+def imagefolder_samples(root: Path, split: str, fraction: float,
+                        num_classes: int | None = None) -> list[tuple[str, int]]:
+    """(path, label) of a split (train: its Table 2 subset), in the first ``num_classes`` classes (None: all)."""
     classes = list_classes(root / "train")
     samples, _ = scan_split(root, split, classes)
+    if num_classes is not None:
+        samples = [s for s in samples if s.label < num_classes]
     if split == "train":
         samples = subsample(samples, fraction)
     return [(s.path, s.label) for s in samples]
@@ -71,7 +75,7 @@ class ImageFolderLoader:
         root = Path(d.train_path if spec.train else d.val_path)
         if not (root / spec.split).is_dir():
             raise DataError(f"data.{'train' if spec.train else 'val'}_path: no {spec.split} folder in {root}")
-        self.samples = imagefolder_samples(root, spec.split, d.subset_fraction)
+        self.samples = imagefolder_samples(root, spec.split, d.subset_fraction, d.num_classes)
         self.d, self.spec = d, spec
         self.num_samples = len(self.samples)
         on_device = spec.augment_on_device

@@ -248,6 +248,7 @@ class WdsLoader:
         manifest = Manifest.read(self.location)
         self.location, self.label = manifest.shard_location, manifest.label_member  # `prep index --out`: elsewhere
         split = manifest.split(spec.split)
+        manifest.require_classes(d.num_classes)
         if spec.train:
             manifest.require_subset(d.subset_fraction)
         self.shards = split.shards()

@@ -72,7 +72,7 @@ def _recover_interrupted_swaps(root: Path) -> None:
 
 RESUMABLE = (
     "data.train_path", "data.val_path", "data.num_workers", "data.eval_batch_size", "data.micro_batch_size",
-    "data.open_retries", "data.open_retry_backoff_s", "data.max_bad_samples", "model.pretrained",
+    "data.open_retries", "data.open_retry_backoff_s", "data.max_bad_samples", "data.ffcv_fields", "model.pretrained",
     "parallel.backend", "parallel.timeout_s", "parallel.activation_checkpointing", "parallel.compile",
     "parallel.reshard_after_forward", "parallel.hsdp_replicas", "parallel.hsdp_per_node", "parallel.meta_init",
     "parallel.zero_*", "distill.teacher_checkpoint", "checkpoint.*", "fault.*", "log.*", "run.output_dir",

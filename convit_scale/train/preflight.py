@@ -109,7 +109,7 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
                             f"train/ and val/")
         try:
             n_classes = len(list_classes(root / "train"))
-            n = len(imagefolder_samples(root, split, d.subset_fraction)) if split == "train" else None
+            n = len(imagefolder_samples(root, split, d.subset_fraction, d.num_classes)) if split == "train" else None
         except PrepError as e:
             raise DataError(f"data.{key}: {e}") from e
     else:
@@ -122,6 +122,8 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
                             f"`convit-scale prep {d.format}`")
         try:
             info, n_classes = manifest.split(split), manifest.num_classes
+            if d.format == "wds":
+                manifest.require_classes(d.num_classes)
             if split == "train" and d.format == "wds":
                 manifest.require_subset(d.subset_fraction)
             elif split == "train" and d.format == "ffcv":
@@ -129,7 +131,8 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
         except DataError as e:
             raise DataError(f"data.{key}: {e}") from e
         if split == "train" and d.format == "ffcv":  # the subset is taken at load time: first files of each class
-            n = sum(math.floor(c * d.subset_fraction) for c in info.per_class.values())
+            n = sum(math.floor(c * d.subset_fraction) for k, c in info.per_class.items()
+                    if d.num_classes is None or int(k) < d.num_classes)
         else:
             n = info.num_samples if split == "train" else None
         for name, rec in ([] if remote else info.files.items()):
@@ -141,6 +144,8 @@ def _check_data(cfg, split: str, key: str, loc: str) -> None:
             if recorded is not None and size != recorded:
                 raise DataError(f"data.{key}: {path} has {size} bytes, manifest.json records {recorded} (truncated or "
                                 f"changed); allowed: the file prep wrote (check with `convit-scale prep verify {loc}`)")
+    if d.num_classes is not None:
+        n_classes = min(n_classes, d.num_classes)
     if n_classes > model.num_classes:
         raise DataError(f"model.num_classes = {model.num_classes} is below the {n_classes} classes of {loc}; allowed: "
                         f">= {n_classes}")
