@@ -219,10 +219,12 @@ class Layout:
     hsdp_replicas: int = 1
 
     @classmethod
-    def of(cls, p: ParallelConfig) -> "Layout":
+    def of(cls, p: ParallelConfig, world: int = 1, per_node: int = 1) -> "Layout":
+        """The recipe's layout on ``world`` ranks of ``per_node`` per node: its HSDP mesh as the run would build it
+        (``ParallelConfig.hsdp_mesh``: ``hsdp_per_node`` gives a replica per node)."""
         if p.strategy != "fsdp2":
             return cls(p.strategy)
-        return cls("fsdp2", p.reshard_after_forward, p.hsdp_replicas)
+        return cls("fsdp2", p.reshard_after_forward, p.hsdp_mesh(world, per_node)[0])
 
     def name(self, world: int) -> str:
         if self.strategy != "fsdp2":
@@ -436,7 +438,7 @@ def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4, layout
     c = 4 if cfg.parallel.precision == "fp32" else 2
     facts = model_facts(cfg, c)
     links = links or Links.of(gpu)
-    own = Layout.of(cfg.parallel)
+    own = Layout.of(cfg.parallel, nodes * gpus_per_node, gpus_per_node)
     chosen = [Layout(x) if isinstance(x, str) else x for x in (layouts or standard_layouts(nodes))]
     if layouts is None and own not in chosen:
         chosen.append(own)

@@ -196,3 +196,18 @@ def test_plan_command_warns_when_the_loader_is_slower(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "100000 CPU cores per GPU" in out
     assert "the GPUs are slower than the loader" in out and "warning" not in out
+
+
+def test_the_recipes_layout_is_the_hsdp_mesh_the_run_builds():
+    """parallel.hsdp_per_node plans as the run lays it out, one replica per node at each node count (a requeue onto
+    fewer nodes included); a fixed replica count stays as the recipe sets it."""
+    from convit_scale.config import load_config
+    from convit_scale.planner import plan
+
+    recipe = REPO / "recipes/table1/convit_base_plus.yaml"
+    for nodes in (4, 3):
+        cfg = load_config(recipe, ["parallel.hsdp_per_node=true"])
+        own = [r["layout"] for r in plan(cfg, nodes, 8, "h200-141gb") if r["recipe_layout"]]
+        assert own == [f"hsdp {nodes}x8 no-reshard"], own
+    cfg = load_config(recipe, ["parallel.hsdp_replicas=2"])
+    assert [r["layout"] for r in plan(cfg, 4, 8, "h200-141gb") if r["recipe_layout"]] == ["hsdp 2x16 no-reshard"]
