@@ -1,7 +1,8 @@
 """Unequal shares of the canonical groups: a recipe of 4 groups trains on 3 ranks (rank 0 holds 2 groups, ranks 1 and
 2 one each), with the loss and the gradient weighted by the samples each rank holds, and its per-step losses and
 global batches are those of the same recipe on 1 rank (FSDP2 with accumulation, where ranks 1 and 2 repeat their
-micro-batch with weight 0, and DDP without it); a run stopped on 4 ranks resumes on 3 and continues the same run.
+micro-batch with weight 0, and DDP and ZeRO-2 without it); a run stopped on 4 ranks resumes on 3 and continues the same
+run.
 
 Two launches (4 ranks, then 3); the 1-rank references run in this process.
 """
@@ -31,15 +32,17 @@ def unequal(fm_tree, tmp_path_factory):
     """{name: (output folder, status)} of every run of this file."""
     tmp = tmp_path_factory.mktemp("unequal")
     runs = {}
-    for name, strategy, micro in (("full1-fsdp2", "fsdp2", 8), ("full1-ddp", "ddp", None)):
+    for name, strategy, micro in (("full1-fsdp2", "fsdp2", 8), ("full1-ddp", "ddp", None),
+                                  ("full1-zero2", "zero2", None)):
         runs[name] = train_here(_recipe(tmp, name, fm_tree, TOTAL, strategy, micro))
     part = _recipe(tmp, "part4-fsdp2", fm_tree, STOP, "fsdp2", 8, hsdp_replicas=2)  # 2 x 2 on 4 ranks
     runs["part4-fsdp2"] = run_many([{"recipe": part}], tmp / "launch4", nproc=4)[0]
     three = [{"recipe": _recipe(tmp, "full3-fsdp2", fm_tree, TOTAL, "fsdp2", 8)},
              {"recipe": _recipe(tmp, "full3-ddp", fm_tree, TOTAL, "ddp", None)},
+             {"recipe": _recipe(tmp, "full3-zero2", fm_tree, TOTAL, "zero2", None)},
              {"recipe": part, "overrides": [f"schedule.max_steps={TOTAL}"]}]
     statuses = run_many(three, tmp / "launch3", nproc=3)
-    runs.update(zip(("full3-fsdp2", "full3-ddp", "part4-fsdp2-on3"), statuses))
+    runs.update(zip(("full3-fsdp2", "full3-ddp", "full3-zero2", "part4-fsdp2-on3"), statuses))
     return {name: (tmp / name.removesuffix("-on3"), status) for name, status in runs.items()}
 
 
@@ -55,10 +58,11 @@ def _assert_same_run(got_dir, want_dir, tolerance: float = 1e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ("fsdp2", "ddp"))
+@pytest.mark.parametrize("strategy", ("fsdp2", "ddp", "zero2"))
 def test_three_ranks_holding_four_groups_unequally_train_the_one_rank_run(unequal, strategy):
     """FSDP2: micro-batches of one group, 4 on 1 rank and 2 on each of 3 (ranks 1 and 2 repeat theirs, weight 0);
-    DDP: one micro-batch a step, of 16 samples on rank 0 and 8 on the others."""
+    DDP and DeepSpeed ZeRO-2 (its own gradient averaging): one micro-batch a step, of 16 samples on rank 0 and 8 on
+    the others."""
     for name in (f"full1-{strategy}", f"full3-{strategy}"):
         assert unequal[name][1] == 0, name
     out = unequal[f"full3-{strategy}"][0]
