@@ -64,7 +64,8 @@ def test_a_dcp_checkpoint_exports_and_loads_as_the_same_model(tmp_path):
     with pytest.raises(ValueError, match="allowed: a file name ending in .safetensors"):
         export(checkpoint, tmp_path / "model.pt")
     out = export(checkpoint, tmp_path / "new" / "model.safetensors")
-    assert eval_view(out) == eval_view(checkpoint) == {"eval_crop_ratio": 0.9, "interpolation": "bicubic"}
+    assert eval_view(out) == eval_view(checkpoint) == {"eval_crop_ratio": 0.9, "interpolation": "bicubic",
+                                                       "num_classes": None}
     x = torch.randn(2, 3, 16, 16)  # convit_nano: 16 pixels
     with torch.no_grad():
         want = model(x)
