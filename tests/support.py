@@ -183,3 +183,32 @@ def universal_state_placement(device, folder: Path, *overrides: str) -> list[tup
     finally:
         strategy.close()
     return placed
+
+
+def encoded_image(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:
+    """A small image file's bytes: an RGB image of one colour, converted to ``mode`` and saved as ``fmt`` (the
+    CMYK, greyscale and PNG-named-JPEG inputs ImageNet holds)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    img = Image.new("RGB", size, color)
+    if mode != "RGB":
+        img = img.convert(mode)
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def epoch_batches(loader, epoch=0, start_batch=0) -> list:
+    """(images, labels, bad samples) of each batch of a loader's epoch, copied out of the loader's buffers."""
+    return [(b.images.clone(), b.labels.clone(), b.bad) for b in loader.epoch(epoch, start_batch)]
+
+
+def ffcv_loader(path, workers: int, split: str = "train", repeats: int = 1):
+    """The FFCV loader of a prepared folder at 32 pixels, micro-batches of 16, seed 3."""
+    from convit_scale.config import DataConfig
+    from convit_scale.data import LoaderSpec, build_loader
+
+    d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=workers, repeated_aug=repeats)
+    return build_loader(d, LoaderSpec(split, 32, 16, seed=3))

@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from support import records, run_cli, tiny_recipe
+from support import epoch_batches, records, run_cli, tiny_recipe
 
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
@@ -75,28 +75,26 @@ def _record_sizes(folder):
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
-def _epoch(loader, epoch=0, start_batch=0):
-    return [(b.images.clone(), b.labels.clone(), b.bad) for b in loader.epoch(epoch, start_batch)]
 
 
 def test_wds_corrupt_jpeg_and_truncated_member_are_replaced_counted_and_limited(broken_wds):
     path, expected = broken_wds
     d = DataConfig(format="wds", train_path=str(path), val_path=str(path), num_workers=0, repeated_aug=1)
     loader = build_loader(d, LoaderSpec("train", 32, 50))
-    first = _epoch(loader)
+    first = epoch_batches(loader)
     assert len(first) == len(loader) and all(x.shape == (50, 3, 32, 32) and len(y) == 50 for x, y, _ in first)
     bad = [r for _, _, rs in first for r in rs]
     assert {(r["shard"], r["key"]): r["reason"].split()[0] for r in bad} == expected and len(bad) == 2
     # the same replacement after a resume at the first batch with a bad sample (and so on a rerun)
     k = next(i for i, (_, _, rs) in enumerate(first) if rs)
-    again = _epoch(loader, 0, k)
+    again = epoch_batches(loader, 0, k)
     assert len(again) == len(first) - k
     for (x0, y0, b0), (x1, y1, b1) in zip(first[k:], again):
         assert torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1
     # past the limit: one line naming the shard of the sample that crossed it and the limit
     strict = build_loader(DataConfig(**{**d.__dict__, "max_bad_samples": 1}), LoaderSpec("train", 32, 50))
     with pytest.raises(DataError) as e:
-        _epoch(strict)
+        epoch_batches(strict)
     msg = str(e.value)
     assert "\n" not in msg and "data.max_bad_samples = 1" in msg and "2 unreadable samples in epoch 0" in msg
     assert any(msg.startswith(shard + ":") for shard, _ in expected)
@@ -113,8 +111,9 @@ def test_wds_evaluation_replaces_a_corrupt_jpeg_with_the_next_good_sample_of_its
     _rewrite_shard(shard, lambda name, data: data[: len(data) // 2] if name == jpgs[1] else data)
     _record_sizes(out)
     d = DataConfig(format="wds", train_path=str(out), val_path=str(out), num_workers=0)
-    got = _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
-    clean = _epoch(build_loader(DataConfig(**{**d.__dict__, "val_path": str(fm_wds)}), LoaderSpec("val", 32, 50)))
+    got = epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+    clean = epoch_batches(build_loader(DataConfig(**{**d.__dict__, "val_path": str(fm_wds)}),
+                                       LoaderSpec("val", 32, 50)))
     bad = [r for _, _, rs in got for r in rs]
     assert [(r["key"], r["reason"].split()[0]) for r in bad] == [(jpgs[1].rsplit(".", 1)[0], "undecodable")]
     x, y, _ = got[0]  # the first batch: sample 1 is sample 2's image and label again, the others untouched
@@ -172,7 +171,7 @@ def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv
     d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=1, repeated_aug=1)
     broken = build_loader(d, LoaderSpec(split, 32, 50))
     clean = build_loader(DataConfig(**{**d.__dict__, f"{split}_path": str(fm_ffcv)}), LoaderSpec(split, 32, 50))
-    got, want = _epoch(broken), _epoch(clean)
+    got, want = epoch_batches(broken), epoch_batches(clean)
     p = int(np.flatnonzero((broken.views(0) & FILE_INDEX) == 5)[0])
     k, i = divmod(p, 50)
     assert [b for _, _, b in got] == [[] for _ in range(k)] + [[{"file": str(beton), "key": 5, "reason":
@@ -186,9 +185,9 @@ def test_ffcv_jpeg_that_fails_to_decode_takes_the_next_view_of_its_batch(fm_ffcv
     assert y[i] == y[(i + 1) % 50] and not torch.equal(x[i], want[k][0][i])  # the next view's label and image
     if split == "val":  # no augmentation: the next view's very pixels
         assert torch.equal(x[i], want[k][0][(i + 1) % 50])
-    again = _epoch(broken, 0, k)  # the same replacement after a resume
+    again = epoch_batches(broken, 0, k)  # the same replacement after a resume
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got[k:], again))
     broken.d = dataclasses.replace(d, max_bad_samples=0)
     with pytest.raises(DataError, match=rf"^{beton}: 1 unreadable samples in epoch 0 on rank 0, more than "
                                         r"data.max_bad_samples = 0 \(last: key 5: undecodable JPEG"):
-        _epoch(broken)
+        epoch_batches(broken)

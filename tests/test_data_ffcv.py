@@ -10,14 +10,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from support import ffcv_loader
 
 from convit_scale.config import DataConfig
 from convit_scale.data import LoaderSpec, build_loader
-
-
-def _loader(path, workers: int, split: str = "train", repeats: int = 1):
-    d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=workers, repeated_aug=repeats)
-    return build_loader(d, LoaderSpec(split, 32, 16, seed=3))
 
 
 def _take(it, n):
@@ -34,7 +30,7 @@ def _global_rng_state():
 
 def test_resume_first_then_every_epoch_full_and_bit_identical(fm_ffcv):
     # repeats=3 on one rank: each image comes three times per epoch and must be augmented three ways
-    loader = _loader(fm_ffcv, workers=2, repeats=3)
+    loader = ffcv_loader(fm_ffcv, workers=2, repeats=3)
     n = len(loader)
     resumed = list(loader.epoch(0, start_batch=n - 11))  # a run resumed late in epoch 0 ...
     assert len(resumed) == 11
@@ -50,7 +46,7 @@ def test_resume_first_then_every_epoch_full_and_bit_identical(fm_ffcv):
 def test_same_seed_same_batches_for_any_workers_and_global_rng_untouched(fm_ffcv):
     batches = {}
     for workers in (0, 2):
-        loader = _loader(fm_ffcv, workers)
+        loader = ffcv_loader(fm_ffcv, workers)
         before = _global_rng_state()
         first = _take(loader.epoch(0), 4)
         time.sleep(0.5)  # the loader thread keeps preparing batches ahead

@@ -10,18 +10,11 @@ import time
 
 import pytest
 import torch
-
-from convit_scale.config import DataConfig
-from convit_scale.data import LoaderSpec, build_loader
-
-
-def _loader(path, workers: int, split: str = "train", repeats: int = 1):
-    d = DataConfig(format="ffcv", train_path=str(path), val_path=str(path), num_workers=workers, repeated_aug=repeats)
-    return build_loader(d, LoaderSpec(split, 32, 16, seed=3))
+from support import ffcv_loader
 
 
 def test_abandoned_epochs_leave_no_thread(fm_ffcv):
-    loader = _loader(fm_ffcv, workers=2, split="val")
+    loader = ffcv_loader(fm_ffcv, workers=2, split="val")
     baseline = threading.active_count()
     for epoch in range(5):
         it = iter(loader.epoch(epoch))
@@ -56,7 +49,7 @@ def test_decoder_threads_are_the_workers_and_torch_count_untouched(fm_ffcv):
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the training step's threads (OMP_NUM_THREADS) are not the loader's to change
     try:
-        loader = _loader(fm_ffcv, workers=2)
+        loader = ffcv_loader(fm_ffcv, workers=2)
         it = loader.epoch(0)
         next(it)
         assert sorted(t.name for t in threading.enumerate() if t.name.startswith("ffcv-")) == ["ffcv-epoch-0",
@@ -98,7 +91,7 @@ def test_a_batch_slot_is_never_rewritten_while_its_batch_is_alive(fm_ffcv, monke
 
     monkeypatch.setattr(_EpochIterator, "run_pipeline", watched_run)
     monkeypatch.setattr(_EpochIterator, "__next__", slow_take)
-    loader = _loader(fm_ffcv, workers=3)
+    loader = ffcv_loader(fm_ffcv, workers=3)
     assert sum(1 for _ in loader.epoch(0)) == len(loader) > 3 * 7  # 3 threads: 7 slots, used three times over
     assert not clashes, clashes[:3]
 
@@ -116,7 +109,7 @@ def test_a_failure_in_ffcvs_thread_is_raised_not_waited_for(fm_ffcv, monkeypatch
         return run_pipeline(self, b_ix, *args)
 
     monkeypatch.setattr(_EpochIterator, "run_pipeline", fails_at_the_third_batch)
-    loader = _loader(fm_ffcv, workers=2, split="val")
+    loader = ffcv_loader(fm_ffcv, workers=2, split="val")
     baseline = threading.active_count()
     got = []
     with pytest.raises(RuntimeError, match="ffcv's loader thread failed: MemoryError: no room for the batch"):

@@ -4,13 +4,10 @@ same pixels."""
 
 import pytest
 import torch
+from support import epoch_batches
 
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
-
-
-def _epoch(loader, epoch=0, start_batch=0):
-    return [(b.images.clone(), b.labels.clone(), b.bad) for b in loader.epoch(epoch, start_batch)]
 
 
 def test_imagefolder_unreadable_files_are_replaced_counted_and_limited(tmp_path):
@@ -22,17 +19,17 @@ def test_imagefolder_unreadable_files_are_replaced_counted_and_limited(tmp_path)
     files[7].write_bytes(files[7].read_bytes()[:100])  # truncated
     d = DataConfig(format="imagefolder", train_path=str(root), val_path=str(root), num_workers=0, repeated_aug=1)
     loader = build_loader(d, LoaderSpec("train", 32, 10))
-    first = _epoch(loader)
+    first = epoch_batches(loader)
     bad = [r for _, _, rs in first for r in rs]
     assert sorted(r["file"] for r in bad) == sorted(str(f) for f in (files[3], files[7]))
     assert all(r["reason"].startswith("unreadable image") and r["key"] == r["file"].rsplit("/", 1)[1].rsplit(".", 1)[0]
                for r in bad)
-    again = _epoch(loader)
+    again = epoch_batches(loader)
     assert all(torch.equal(x0, x1) and torch.equal(y0, y1) and b0 == b1
                for (x0, y0, b0), (x1, y1, b1) in zip(first, again))
     strict = build_loader(DataConfig(**{**d.__dict__, "max_bad_samples": 1}), LoaderSpec("train", 32, 10))
     with pytest.raises(DataError, match=r"data.max_bad_samples = 1") as e:
-        _epoch(strict)
+        epoch_batches(strict)
     assert str(e.value).split(":")[0] in {str(files[3]), str(files[7])}
 
 
@@ -46,7 +43,7 @@ def test_a_resumed_epoch_gives_the_same_batches_and_each_batch_its_views_seeds_a
     ids = [i for b in batches for i in b.ids]
     assert len(set(ids)) == len(ids) and {loader.samples[i][1] for i in ids} <= set(range(10))
     assert all(b.labels.tolist() == [loader.samples[i][1] for i in b.ids] for b in batches)  # ids are the samples
-    resumed = _epoch(loader, 0, start_batch=2)
+    resumed = epoch_batches(loader, 0, start_batch=2)
     assert all(torch.equal(x, b.images) and torch.equal(y, b.labels) for (x, y, _), b in zip(resumed, batches[2:]))
     assert len(resumed) == len(batches) - 2
-    assert not torch.equal(_epoch(loader, 1)[0][0], batches[0].images)  # another epoch, another order and crops
+    assert not torch.equal(epoch_batches(loader, 1)[0][0], batches[0].images)  # another epoch, another order and crops

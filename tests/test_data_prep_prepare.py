@@ -8,18 +8,9 @@ import tarfile
 
 import pytest
 from PIL import Image
-from support import run_cli
+from support import encoded_image, run_cli
 
 from data_prep import PrepError, PrepOptions, prepare, shard_plan, verify
-
-
-def _jpeg(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:
-    buf = io.BytesIO()
-    img = Image.new("RGB", size, color)
-    if mode != "RGB":
-        img = img.convert(mode)
-    img.save(buf, format=fmt)
-    return buf.getvalue()
 
 
 @pytest.fixture()
@@ -30,13 +21,13 @@ def messy_tree(tmp_path):
         for c in ("n01", "n02", "n03"):
             (root / split / c).mkdir(parents=True)
             for i in range(n):
-                (root / split / c / f"{c}_{i}.JPEG").write_bytes(_jpeg((i * 40, 10, 200)))
+                (root / split / c / f"{c}_{i}.JPEG").write_bytes(encoded_image((i * 40, 10, 200)))
     t = root / "train"
-    (t / "n01" / "cmyk.JPEG").write_bytes(_jpeg(mode="CMYK"))
-    (t / "n01" / "grey.JPEG").write_bytes(_jpeg(mode="L"))
-    (t / "n02" / "png_named.JPEG").write_bytes(_jpeg(fmt="PNG"))
+    (t / "n01" / "cmyk.JPEG").write_bytes(encoded_image(mode="CMYK"))
+    (t / "n01" / "grey.JPEG").write_bytes(encoded_image(mode="L"))
+    (t / "n02" / "png_named.JPEG").write_bytes(encoded_image(fmt="PNG"))
     (t / "n02" / "empty.JPEG").write_bytes(b"")
-    (t / "n03" / "truncated.JPEG").write_bytes(_jpeg(size=(200, 200))[:300])
+    (t / "n03" / "truncated.JPEG").write_bytes(encoded_image(size=(200, 200))[:300])
     (t / "n03" / "text.JPEG").write_bytes(b"this is not an image")
     (t / "n04").mkdir()  # an empty class folder
     return root

@@ -3,13 +3,10 @@ opened again, up to ``data.open_retries`` times, then named in one line with the
 
 import pytest
 import torch
+from support import epoch_batches
 
 from convit_scale.config import DataConfig
 from convit_scale.data import DataError, LoaderSpec, build_loader
-
-
-def _epoch(loader, epoch=0, start_batch=0):
-    return [(b.images.clone(), b.labels.clone(), b.bad) for b in loader.epoch(epoch, start_batch)]
 
 
 def _flaky_pipe(tmp_path, folder, when_failing: str) -> str:
@@ -23,13 +20,13 @@ def _flaky_pipe(tmp_path, folder, when_failing: str) -> str:
 
 def test_a_pipe_that_fails_twice_then_streams_is_read(fm_wds, tmp_path):
     local = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0)
-    reference = _epoch(build_loader(local, LoaderSpec("val", 32, 50)))
+    reference = epoch_batches(build_loader(local, LoaderSpec("val", 32, 50)))
     n_shards = len(list(fm_wds.glob("val-*.tar")))
     for when_failing, what in (("echo 'connection reset' >&2; exit 1", "open"),  # exits non-zero, no data
                                (f"head -c 5000 {fm_wds}/{{name}}; exit 0", "stream")):  # ends mid-shard
         url = _flaky_pipe(tmp_path, fm_wds, when_failing)
         d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 2, "open_retry_backoff_s": 0.01})
-        got = _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
+        got = epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
         assert (tmp_path / "opens").read_text().strip() == str(n_shards + 2), what  # two failed tries, then one each
         assert len(got) == len(reference) and all(not b for _, _, b in got), what
         assert all(torch.equal(x0, x1) and torch.equal(y0, y1) for (x0, y0, _), (x1, y1, _) in zip(reference, got))
@@ -38,4 +35,4 @@ def test_a_pipe_that_fails_twice_then_streams_is_read(fm_wds, tmp_path):
     d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 1, "open_retry_backoff_s": 0.01})
     with pytest.raises(DataError, match=r"^pipe:case .*val-\S+\.tar: could not be opened after 2 tries "
                                         r"\(exit status 3: connection reset\); data.open_retries = 1$"):
-        _epoch(build_loader(d, LoaderSpec("val", 32, 50)))
+        epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))

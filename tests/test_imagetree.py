@@ -3,22 +3,11 @@ subsets, a flat val/ folder labelled by the Kaggle solution file or the devkit's
 
 from __future__ import annotations
 
-import io
-
 import pytest
-from PIL import Image
+from support import encoded_image
 
 from convit_scale.imagetree import subsample
 from data_prep import PrepError, PrepOptions, prepare
-
-
-def _jpeg(color=(200, 30, 30), size=(40, 30), mode="RGB", fmt="JPEG") -> bytes:
-    buf = io.BytesIO()
-    img = Image.new("RGB", size, color)
-    if mode != "RGB":
-        img = img.convert(mode)
-    img.save(buf, format=fmt)
-    return buf.getvalue()
 
 
 def test_table2_subset_keeps_first_files_per_class():
@@ -57,10 +46,10 @@ def _flat_val_tree(root, val_names):
     """Two train classes (n01, n02) of one image each and a flat val/ folder with these file names."""
     for c in ("n01", "n02"):
         (root / "train" / c).mkdir(parents=True)
-        (root / "train" / c / "a.JPEG").write_bytes(_jpeg())
+        (root / "train" / c / "a.JPEG").write_bytes(encoded_image())
     (root / "val").mkdir()
     for name in val_names:
-        (root / "val" / name).write_bytes(_jpeg())
+        (root / "val" / name).write_bytes(encoded_image())
     return root
 
 
