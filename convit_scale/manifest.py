@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,17 @@ FORMATS = ("ffcv", "wds")
 """The formats ``convit-scale prep`` writes."""
 SPLIT_ALIASES = {"val": ("validation",)}
 """Other names of a split in other tools' layouts (timm's ImageNet shards name it ``validation``)."""
+
+
+def split_in_name(name: str) -> str | None:
+    """The split a file's name says: ``train`` or ``val`` (or another name of it, ``SPLIT_ALIASES``) as a word of it
+    (``imagenet1k-validation-0001.tar``, ``train-00000-of-00257.parquet``, ``val_400_0.10_90.ffcv``); None when it
+    says none, or both."""
+    words = re.split(r"[-_.]", name.lower())
+    found = [s for s in ("train", "val") if any(w in words for w in (s, *SPLIT_ALIASES.get(s, ())))]
+    return found[0] if len(found) == 1 else None
+
+
 FFCV_SUFFIXES = (".ffcv", ".beton")
 """FFCV files: ffcv-imagenet names them ``train_500_0.50_90.ffcv``, ``prep ffcv`` ``train_full_keep_q90_f1.beton``."""
 FFCV_FIELDS = ("image", "label")
@@ -178,7 +190,7 @@ class Manifest:
         """The manifest of FFCV files another tool wrote (the module says how files map to splits)."""
         by_split: dict[str, list[Path]] = {}
         for f in files:
-            split = next((s for s in ("train", "val") if f.name.startswith(s)), f.stem)
+            split = split_in_name(f.name) or f.stem
             by_split.setdefault(split, []).append(f)
         if len(files) > 1 and any(len(v) > 1 for v in by_split.values()):
             raise DataError(f"{location}: {len(files)} FFCV files ({', '.join(f.name for f in files)}), more than one "

@@ -20,13 +20,10 @@ from pathlib import Path
 from braceexpand import braceexpand
 
 from convit_scale.imagetree import PrepError
-from convit_scale.manifest import MANIFEST, Manifest, Split, read_label
+from convit_scale.manifest import MANIFEST, Manifest, Split, read_label, split_in_name
 from convit_scale.streams import CommandStream, open_stream
 
 from .checks import class_counts
-
-SPLIT_WORDS = {"train": ("train",), "val": ("val", "validation")}
-"""The split of a shard whose name holds one of these words (timm's ``imagenet1k-validation-0001.tar``)."""
 
 
 def _count(job: tuple[str, str, str]) -> tuple[str, int, dict, int | None, str | None]:
@@ -80,12 +77,11 @@ def _count(job: tuple[str, str, str]) -> tuple[str, int, dict, int | None, str |
 def _split_of(name: str, split: str | None) -> str:
     if split:
         return split
-    words = name.lower().replace("_", "-").replace(".", "-").split("-")
-    found = [s for s, names in SPLIT_WORDS.items() if any(w in words for w in names)]
-    if len(found) != 1:
+    found = split_in_name(name)
+    if found is None:
         raise PrepError(f"{name}: its split is not in its name (train, val or validation); allowed: --split NAME "
                         f"for a folder that holds one split")
-    return found[0]
+    return found
 
 
 def _shard_names(src: str, pattern: str | None) -> list[str]:

@@ -21,13 +21,12 @@ import collections
 import tarfile
 from pathlib import Path
 
-from convit_scale.imagetree import PrepError, Sample, list_classes, rgb_jpeg
-from convit_scale.manifest import Manifest, described, read_label
+from convit_scale.imagetree import PrepError, Sample, rgb_jpeg
+from convit_scale.manifest import DataError, Manifest, described, read_label, split_in_name
 
 TREE, WDS, PARQUET = "tree", "wds", "parquet"
 ORDERED = (PARQUET,)
 """Sources read in their own order (random access would read a row group per image)."""
-SPLIT_NAMES = {"train": ("train",), "val": ("val", "validation")}
 
 
 def source_kind(src: Path) -> str:
@@ -95,27 +94,18 @@ def list_source(src: Path, kind: str, splits: tuple[str, ...], image_column: str
     files = sorted(src.rglob("*.parquet"))
     listed = {}
     for split in splits:
-        mine = [f for f in files if _split_word(f.name) in SPLIT_NAMES[split]] if split in SPLIT_NAMES else []
+        mine = [f for f in files if split_in_name(f.name) == split]
         if mine:
             listed[split] = [s for f in mine for s in _parquet_samples(f, image_column, label_column)]
     return [], listed
-
-
-def class_names(src: Path, kind: str, classes: list[str]) -> list[str]:
-    """A tree's class folders; the other sources' names as listed (none: labels stand for themselves)."""
-    return list_classes(src / "train") if kind == TREE else classes
 
 
 def _has(manifest: Manifest, split: str) -> bool:
     try:
         manifest.split(split)
         return True
-    except Exception:  # DataError: the split is not there
+    except DataError:  # the split is not there
         return False
-
-
-def _split_word(name: str) -> str:
-    return name.lower().replace("_", "-").split("-")[0]
 
 
 def _tar_samples(manifest: Manifest, split: str) -> list[Sample]:
