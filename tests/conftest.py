@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 from pathlib import Path
 
 import pytest
+
+# A test that hangs must fail, not hold the suite until CI's own limit ends it with nothing said. pytest-timeout
+# (pyproject's --timeout) raises in a test that is past it, but only from a signal handler, which runs when the
+# main thread is back in Python: a test stuck in C (a lock taken in a forked child, a wait inside a C++ library)
+# never gets there, and neither does one whose teardown hangs after the timeout was raised. So each test, set-up
+# and teardown included, also has a hard limit kept by faulthandler's own C thread, which needs neither the GIL nor
+# the main thread: past it, every thread's stack goes to the terminal and the worker exits; pytest-xdist names the
+# test its worker crashed in, starts another worker and goes on.
+HARD_LIMIT_S = 780  # pytest-timeout's --timeout (pyproject), then time for that failure's own teardown
+_terminal = {}
+
+
+def pytest_configure(config):
+    # Taken before any test's output is captured: the real stderr, which xdist's workers share with the terminal.
+    _terminal["fd"] = os.dup(2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HARD_LIMIT_S, exit=True, file=_terminal["fd"])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 # `make test` runs the files on 2 pytest-xdist workers, a file per worker at a time (--dist loadfile: a file's
 # module fixtures are built once). The longest files go first so that none starts last and runs alone.
