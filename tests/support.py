@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +35,29 @@ def tiny_recipe(path: Path, fmt: str, data_dir: Path, out: Path, **sections) -> 
     return path
 
 
+def run_group(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)``, the command in a process group of its own: past
+    ``timeout``, the whole group is killed (torchrun and its ranks, their loader workers), not only the command,
+    whose ranks would live on beside the next tests, and the error ends with what the command had printed."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes
+                out, err = "", ""
+            e.add_note(f"the end of its output:\n{(out or '')[-2000:]}\n{(err or '')[-4000:]}")
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([PY, "-m", "convit_scale.cli", *args], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=REPO)
+    return run_group([PY, "-m", "convit_scale.cli", *args], timeout, env=full_env)
 
 
 def run_ranks(recipe: Path, *overrides: str, nproc: int = 2, env: dict | None = None,
@@ -48,8 +68,7 @@ def run_ranks(recipe: Path, *overrides: str, nproc: int = 2, env: dict | None = 
     2 cores) comes before the ranks'; the tests of the command itself (refusals before any process, signals,
     exit statuses) use ``run_cli``."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(ranks_cmd(recipe, *overrides, nproc=nproc), capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=REPO)
+    return run_group(ranks_cmd(recipe, *overrides, nproc=nproc), timeout, env=full_env)
 
 
 def train_here(recipe: Path, *overrides: str, env: dict | None = None) -> int:
@@ -83,8 +102,8 @@ def run_many(runs: list[dict], folder: Path, nproc: int = 2, timeout: int = 1200
     plan.write_text(json.dumps([{"overrides": [], "env": {}, **r, "recipe": str(r["recipe"])} for r in runs]))
     statuses_file = folder / "statuses_rank0.json"
     statuses_file.unlink(missing_ok=True)
-    res = subprocess.run(torchrun_cmd(nproc, str(REPO / "tests" / "rank_runs.py"), str(plan)), capture_output=True,
-                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout, cwd=REPO)
+    res = run_group(torchrun_cmd(nproc, str(REPO / "tests" / "rank_runs.py"), str(plan)), timeout,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     (folder / "output.txt").write_text(res.stdout + res.stderr)  # the runs' log lines, one after another
     statuses = json.loads(statuses_file.read_text()) if statuses_file.is_file() else []
     why = f"not run: the launch ended with status {res.returncode}: {res.stderr[-1500:]}"
