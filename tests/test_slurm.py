@@ -12,6 +12,7 @@ import pytest
 from support import REPO, records, tiny_recipe
 
 from convit_scale.rehearsal.cluster import CPU_SBATCH
+from convit_scale.rehearsal.faults import children, live_ranks
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -187,32 +188,13 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _beats(out):
-    found = {}
-    for f in (out / "heartbeat").glob("rank_*.json"):
-        try:
-            b = json.loads(f.read_text())
-        except ValueError:
-            continue
-        found[b["rank"]] = b
-    return found
-
-
 def _training_past_a_new_checkpoint(out, world=2):
     """This start saved a checkpoint newer than the one it started from, and every rank is training."""
     starts = _lines(out / "faults_starts.jsonl")
     ckpts = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*[0-9]") if (p / "meta.json").is_file()]
-    beats = _beats(out)
+    beats = live_ranks(out, FAST_FAULTS["heartbeat_s"])
     return bool(starts and ckpts and max(ckpts) > starts[-1]["checkpoint_step"] and len(beats) == world
-                and all(b["state"] == "running" and b["started"] for b in beats.values()))
-
-
-def _children(pid):
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(p) for p in f.read().split()]
-    return kids
+                and all(b["started"] for b in beats.values()))
 
 
 def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_and_a_repeat_ends_it(slurm, fm_tree,
@@ -233,13 +215,13 @@ def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_an
     injected = []
     for what in ("kill rank 1", "stop rank 1", "stop rank 0's worker"):
         _wait(lambda: _training_past_a_new_checkpoint(out), f"training before '{what}'", log, 300)
-        beats = _beats(out)
+        beats = live_ranks(out, FAST_FAULTS["heartbeat_s"])  # the pids of this start's ranks, alive a second ago
         if what == "kill rank 1":
             os.kill(beats[1]["pid"], signal.SIGKILL)
         elif what == "stop rank 1":
             os.kill(beats[1]["pid"], signal.SIGSTOP)
         else:
-            for pid in _children(beats[0]["pid"]):
+            for pid in children(beats[0]["pid"]):
                 os.kill(pid, signal.SIGSTOP)
         injected.append(time.time())
         n = len(injected)
@@ -285,7 +267,7 @@ def test_a_lost_node_requeues_the_job_onto_the_nodes_left(slurm, fm_tree, tmp_pa
     job = slurm.sbatch("--nodes=1-2", "--ntasks=2", *CPU_SBATCH, f"--output={log}",
                        str(REPO / "slurm" / "convit_base_plus.sh"), env=_env(recipe, out, fm_tree), cwd=REPO)
     _wait(lambda: _training_past_a_new_checkpoint(out), "training past a checkpoint", log, 300)
-    lost = next(b for b in _beats(out).values() if b["node"] == slurm.nodes[1])
+    lost = next(b for b in live_ranks(out, FAST_FAULTS["heartbeat_s"]).values() if b["node"] == slurm.nodes[1])
     slurm.run("scontrol", "update", f"NodeName={slurm.nodes[1]}", "State=DRAIN", "Reason=test")
     try:
         os.kill(lost["pid"], signal.SIGKILL)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..train.watchdog import STALE_BEATS, child_states, read_beats
 from .cluster import LocalSlurm
 from .run import (
     ELASTIC_RTOL,
@@ -48,28 +49,27 @@ FAULT_SECTION = {"hang_timeout_s": 60, "heartbeat_s": 5, "collective_timeout_s":
 """The rehearsal's watchdog: a 60 s step timeout (detected well under 90 s), start-up room for 32 ranks on 2 cores."""
 
 
-def _beats(out: Path) -> dict[int, dict]:
-    found = {}
-    for f in (out / "heartbeat").glob("rank_*.json"):
-        try:
-            b = json.loads(f.read_text())
-        except ValueError:
-            continue
-        found[b["rank"]] = b
-    return found
+def live_ranks(out: Path, heartbeat_s: float) -> dict[int, dict]:
+    """The ranks of the run's newest start whose heartbeat is fresh (written within the watchdog's staleness window),
+    by rank. Only these pids may be signalled: a heartbeat left by a rank of an earlier start (killed: it never
+    wrote its last one) names a pid that may since belong to another process (pids wrap at pid_max, 32768 by
+    default), and a stop or a kill sent to it would hit a stranger: a test runner, a Slurm daemon."""
+    beats = read_beats(out / "heartbeat")
+    if not beats:
+        return {}
+    newest, now = max(beats, key=lambda b: b.get("born", 0))["launch"], time.time()
+    return {b["rank"]: b for b in beats if b["launch"] == newest and b["state"] == "running"
+            and now - b["alive"] < STALE_BEATS * heartbeat_s}
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(p) for p in f.read().split()]
-    return kids
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (its DataLoader workers)."""
+    return [c["pid"] for c in child_states(pid)]
 
 
 def inject(kind: str, slurm, out: Path, world: int) -> dict:
     """The fault, on the last node's first rank (every rank of the last node for ``node``); returns what was hit."""
-    beats = _beats(out)
+    beats = live_ranks(out, FAULT_SECTION["heartbeat_s"])
     victim = beats[world - 1]
     if kind == "node":
         slurm.run("scontrol", "update", f"NodeName={victim['node']}", "State=DRAIN", "Reason=rehearsal")
@@ -78,7 +78,7 @@ def inject(kind: str, slurm, out: Path, world: int) -> dict:
             os.kill(b["pid"], signal.SIGKILL)
         return {"kind": "node_lost", "node": victim["node"], "ranks": sorted(b["rank"] for b in hit)}
     if kind == "worker":
-        for pid in _children(victim["pid"]):
+        for pid in children(victim["pid"]):
             os.kill(pid, signal.SIGSTOP)
     else:
         os.kill(victim["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -88,9 +88,9 @@ def inject(kind: str, slurm, out: Path, world: int) -> dict:
 def _ready(watch, out: Path, world: int, after_step: int) -> bool:
     """Step ``after_step`` logged, a checkpoint saved, and every rank training."""
     ckpts = [p for p in (out / "checkpoints").glob("step_*[0-9]") if (p / "meta.json").is_file()]
-    beats = _beats(out)
+    beats = live_ranks(out, FAULT_SECTION["heartbeat_s"])
     return (bool(ckpts) and any(r["step"] >= after_step for _, r in watch.train()) and len(beats) == world
-            and all(b["state"] == "running" and b["started"] for b in beats.values()))
+            and all(b["started"] for b in beats.values()))
 
 
 def run_fault(slurm, shape, kind: str, recipe: Path, data: Path, out: Path, launcher: str, after_step: int) -> dict:

@@ -289,28 +289,28 @@ def dump_flight_recorder(path: Path) -> str | None:
     return str(path)
 
 
-def child_states() -> list[dict]:
-    """This process's children (DataLoader workers), their state and where the kernel has them wait (``wchan``): a
-    stopped (T) or uninterruptible (D) worker is where a rank waiting for data is stuck; a sleeping one waiting in a
-    futex waits on a lock (a worker is forked from a process with other threads: a lock one of them held at the fork
-    stays held in the worker), where an idle one waits on its queue's pipe."""
+def child_states(pid: int | None = None) -> list[dict]:
+    """This process's (or ``pid``'s) children (DataLoader workers), their state and where the kernel has them wait
+    (``wchan``): a stopped (T) or uninterruptible (D) worker is where a rank waiting for data is stuck; a sleeping
+    one waiting in a futex waits on a lock (a worker is forked from a process with other threads: a lock one of them
+    held at the fork stays held in the worker), where an idle one waits on its queue's pipe."""
     found = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+    for task in Path(f"/proc/{pid or os.getpid()}/task").glob("*/children"):
         try:
             pids = task.read_text().split()
         except OSError:
             continue
-        for pid in pids:
+        for kid in pids:
             try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
+                stat = Path(f"/proc/{kid}/stat").read_text()
             except OSError:
                 continue
             name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
             try:
-                wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+                wchan = Path(f"/proc/{kid}/wchan").read_text().strip()
             except OSError:
                 wchan = ""
-            found.append({"pid": int(pid), "name": name, "state": state, "wchan": wchan})
+            found.append({"pid": int(kid), "name": name, "state": state, "wchan": wchan})
     return found
 
 
