@@ -182,6 +182,9 @@ def test_requeue_cap_fails_a_job_that_keeps_stopping(slurm, fm_tree, tmp_path):
 FAST_FAULTS = {"hang_timeout_s": 6, "heartbeat_s": 1, "collective_timeout_s": 30, "startup_timeout_s": 180,
                "long_phase_timeout_s": 30}
 """Short watchdog timeouts for the fault tests (a 2-core machine: start-up and saves still get room)."""
+SLOW_STEPS = {"CONVIT_SCALE_STEP_DELAY_S": "0.2"}
+"""The tiny recipe's steps take ~30 ms: a fault sent from outside, by a test that sees the run through files written
+every second, needs steps it can land between."""
 
 
 def _lines(path):
@@ -197,6 +200,17 @@ def _training_past_a_new_checkpoint(out, world=2):
                 and all(b["started"] for b in beats.values()))
 
 
+def _rank_0_mid_epoch(out, steps_per_epoch=31):
+    """Past a new checkpoint, and rank 0 well inside an epoch (1,000 images in batches of 32), so its loader worker
+    exists and will be asked for batches: one stopped as the epoch ends is only left behind (the DataLoader's
+    shutdown gives up on it after 5 s), and between epochs there is none to stop. The heartbeat's step is up to a
+    beat (1 s, STEP_DELAY: 5 steps) old."""
+    if not _training_past_a_new_checkpoint(out):
+        return False
+    rank0 = live_ranks(out, FAST_FAULTS["heartbeat_s"]).get(0)
+    return bool(rank0 and 2 <= rank0["step"] % steps_per_epoch <= steps_per_epoch - 14 and children(rank0["pid"]))
+
+
 def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_and_a_repeat_ends_it(slurm, fm_tree,
                                                                                                   tmp_path):
     """One 2-node job (srun, one rank per node, a loader worker each) suffers, one after the other: rank 1 killed
@@ -210,11 +224,12 @@ def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_an
                          fault=FAST_FAULTS)
     log = tmp_path / "job.out"
     job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
-                       env=_env(recipe, out, fm_tree, CONVIT_SCALE_KILL_AT_STEP="40:1"), cwd=REPO)
+                       env=_env(recipe, out, fm_tree, CONVIT_SCALE_KILL_AT_STEP="40:1", **SLOW_STEPS), cwd=REPO)
     faults = out / "faults.jsonl"
     injected = []
     for what in ("kill rank 1", "stop rank 1", "stop rank 0's worker"):
-        _wait(lambda: _training_past_a_new_checkpoint(out), f"training before '{what}'", log, 300)
+        ready = _training_past_a_new_checkpoint if what != "stop rank 0's worker" else _rank_0_mid_epoch
+        _wait(lambda: ready(out), f"training before '{what}'", log, 300)
         beats = live_ranks(out, FAST_FAULTS["heartbeat_s"])  # the pids of this start's ranks, alive a second ago
         if what == "kill rank 1":
             os.kill(beats[1]["pid"], signal.SIGKILL)
@@ -265,7 +280,8 @@ def test_a_lost_node_requeues_the_job_onto_the_nodes_left(slurm, fm_tree, tmp_pa
                          fault=FAST_FAULTS)
     log = tmp_path / "job.out"
     job = slurm.sbatch("--nodes=1-2", "--ntasks=2", *CPU_SBATCH, f"--output={log}",
-                       str(REPO / "slurm" / "convit_base_plus.sh"), env=_env(recipe, out, fm_tree), cwd=REPO)
+                       str(REPO / "slurm" / "convit_base_plus.sh"), env=_env(recipe, out, fm_tree, **SLOW_STEPS),
+                       cwd=REPO)
     _wait(lambda: _training_past_a_new_checkpoint(out), "training past a checkpoint", log, 300)
     lost = next(b for b in live_ranks(out, FAST_FAULTS["heartbeat_s"]).values() if b["node"] == slurm.nodes[1])
     slurm.run("scontrol", "update", f"NodeName={slurm.nodes[1]}", "State=DRAIN", "Reason=test")

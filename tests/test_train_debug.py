@@ -5,6 +5,7 @@ installed when nothing is asked, and the state digest equal exactly for bit-iden
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -14,7 +15,14 @@ from convit_scale.train.debug import Faults, checksum, state_digest
 def test_the_environment_marks_steps_and_micro_batches_of_rank_0s_loss(monkeypatch):
     for var in ("NAN", "INF_GRAD", "KILL", "STOP", "STOP_WORKER"):
         monkeypatch.delenv(f"CONVIT_SCALE_{var}_AT_STEP", raising=False)
+    monkeypatch.delenv("CONVIT_SCALE_STEP_DELAY_S", raising=False)
     assert Faults.from_env(0) is None  # nothing asked: nothing installed, the step runs as it is
+    monkeypatch.setenv("CONVIT_SCALE_STEP_DELAY_S", "0.2")
+    slow = Faults.from_env(1)
+    t0 = time.monotonic()
+    slow.before_step(1)
+    assert slow.delay_s == 0.2 and time.monotonic() - t0 >= 0.2 and slow.process == {}
+    monkeypatch.delenv("CONVIT_SCALE_STEP_DELAY_S")
     monkeypatch.setenv("CONVIT_SCALE_NAN_AT_STEP", "3,5:1")
     monkeypatch.setenv("CONVIT_SCALE_INF_GRAD_AT_STEP", "4")
     monkeypatch.setenv("CONVIT_SCALE_KILL_AT_STEP", "7:1")

@@ -7,6 +7,8 @@
   a process) when step ``s`` begins; ``CONVIT_SCALE_STOP_AT_STEP=s:r``: it stops itself (SIGSTOP: a hang);
   ``CONVIT_SCALE_STOP_WORKER_AT_STEP=s:r``: it stops its DataLoader workers (a loader that never delivers). Every
   start of the run that reaches step ``s`` suffers it again (tests of the launcher's same-failure-twice rule).
+- ``CONVIT_SCALE_STEP_DELAY_S=x``: every rank waits ``x`` s before each step (a fault test on a fast CPU, whose
+  tiny steps take milliseconds, gets time to hit a run in the middle of an epoch from outside).
 - ``log.debug_memory``: the memory of live tensors after backward, once (``state_mem_mb``; memory.py).
 - ``log.debug_digest``: a digest of this rank's weights and optimizer state after every step (``state_digest``),
   and the teacher's checksums at start and end.
@@ -18,9 +20,12 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .watchdog import child_states
 
 
 class _InfGradient(torch.autograd.Function):
@@ -52,14 +57,6 @@ def _process_faults(rank: int) -> dict[int, str]:
     return found
 
 
-def _children() -> list[int]:
-    pids = []
-    for task in os.scandir(f"/proc/{os.getpid()}/task"):
-        with open(f"{task.path}/children") as f:
-            pids += [int(p) for p in f.read().split()]
-    return pids
-
-
 @dataclass
 class Faults:
     """Where to corrupt rank 0's loss, and which step this rank dies or hangs in; empty (the normal case) costs one
@@ -69,23 +66,26 @@ class Faults:
     inf_grad: set = field(default_factory=set)
     process: dict = field(default_factory=dict)
     """{step: "kill" | "stop" | "stop_worker"} of this rank."""
+    delay_s: float = 0.0
 
     @classmethod
     def from_env(cls, rank: int) -> "Faults | None":
         f = cls(*((_marks("CONVIT_SCALE_NAN_AT_STEP"), _marks("CONVIT_SCALE_INF_GRAD_AT_STEP")) if rank == 0
-                  else (set(), set())), _process_faults(rank))
-        return f if (f.nan_loss or f.inf_grad or f.process) else None
+                  else (set(), set())), _process_faults(rank), float(os.environ.get("CONVIT_SCALE_STEP_DELAY_S", 0)))
+        return f if (f.nan_loss or f.inf_grad or f.process or f.delay_s) else None
 
     def before_step(self, step: int) -> None:
-        """Step ``step`` begins: kill or stop this process, or stop its loader workers, where asked."""
+        """Step ``step`` begins: wait, kill or stop this process, or stop its loader workers, where asked."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
         what = self.process.get(step)
         if what == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif what == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif what == "stop_worker":
-            for pid in _children():
-                os.kill(pid, signal.SIGSTOP)
+            for child in child_states():
+                os.kill(child["pid"], signal.SIGSTOP)
 
     def apply(self, loss: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         if (step, micro) in self.nan_loss:
