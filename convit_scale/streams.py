@@ -4,10 +4,16 @@ loaders (``data/shards.py``) and by ``prep index`` (``data_prep/index.py``)."""
 
 from __future__ import annotations
 
+import os
+import select
 import shlex
 import subprocess
 import tempfile
 from pathlib import Path
+
+STALL_S = 120.0
+"""A command that has delivered no byte for this long has stalled (a hung mount, a server that stopped sending, a
+credential prompt nobody answers): its read fails, as a failed read (retried by the loaders, refused by prep)."""
 
 
 def shard_url(location: str, name: str) -> str:
@@ -19,15 +25,33 @@ class CommandStream:
     """The standard output of a shell command (a ``pipe:`` URL, or curl for http(s)), whose exit status and
     standard error are checked: a command that fails is a failed read even when its output looks complete."""
 
-    def __init__(self, command: str):
+    def __init__(self, command: str, stall_s: float = STALL_S):
         self.command, self.stderr = command, tempfile.TemporaryFile()  # a file: a chatty command never blocks
         self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr)
+        self.stall_s, self.stalled = stall_s, False
 
     def read(self, size: int = -1) -> bytes:
-        return self.proc.stdout.read(size)
+        """Up to ``size`` bytes (all of them for -1), fewer only at the end; a TimeoutError (an OSError) when the
+        command delivers nothing for ``stall_s``: it is killed, and ``failure`` says it stalled."""
+        fd, chunks, left = self.proc.stdout.fileno(), [], size
+        while left != 0:
+            if not select.select([fd], [], [], self.stall_s)[0]:
+                self.stalled = True
+                self.proc.kill()
+                raise TimeoutError(f"no bytes for {self.stall_s:g} s from: {self.command}")
+            chunk = os.read(fd, 1 << 20 if left < 0 else min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left = left - len(chunk) if left > 0 else left
+        return b"".join(chunks)
 
     def failure(self, wait: bool = False) -> str | None:
-        """"exit status N: <last line of stderr>" once the command has failed, else None."""
+        """"exit status N: <last line of stderr>" once the command has failed, else None; "stalled: ..." for one
+        that delivered nothing for ``stall_s`` (killed)."""
+        if self.stalled:
+            self.proc.wait()
+            return f"stalled: no bytes for {self.stall_s:g} s (killed)"
         status = self.proc.wait() if wait else self.proc.poll()
         if not status:
             return None
@@ -38,7 +62,7 @@ class CommandStream:
 
     def finish(self) -> None:
         """At the end of the archive: read what is left, wait, and raise OSError if the command failed."""
-        while self.proc.stdout.read(1 << 16):
+        while self.read(1 << 16):
             pass
         failure = self.failure(wait=True)
         if failure:

@@ -38,3 +38,26 @@ def test_a_command_that_fails_is_a_failed_read_naming_its_status_and_last_error_
     assert endless.read(10) == b"y\ny\ny\ny\ny\n"
     endless.close()
     assert endless.proc.returncode is not None
+
+
+def test_a_command_that_stops_sending_is_a_failed_read_not_a_wait_for_ever(tmp_path):
+    """A hung mount or a server that stopped sending: after ``stall_s`` without a byte, the read fails (an OSError,
+    which the loaders retry and prep refuses), the command is killed, and the failure says it stalled."""
+    import time
+
+    stream = CommandStream("printf 'abc'; sleep 30", stall_s=0.5)
+    t0 = time.monotonic()
+    assert stream.read(3) == b"abc"  # what came is delivered
+    with pytest.raises(OSError, match=r"no bytes for 0.5 s from: printf 'abc'; sleep 30"):
+        stream.read(10)
+    assert time.monotonic() - t0 < 5
+    assert stream.failure(wait=True) == "stalled: no bytes for 0.5 s (killed)"
+    stream.close()
+    assert stream.proc.returncode is not None
+
+
+def test_a_read_of_n_bytes_gathers_them_across_the_pipes_chunks():
+    stream = CommandStream("printf 'ab'; sleep 0.2; printf 'cdef'")
+    assert stream.read(5) == b"abcde" and stream.read(10) == b"f" and stream.read(1) == b""
+    stream.finish()
+    stream.close()
