@@ -83,9 +83,8 @@ def _quiet_tqdm():
 
 def run_demo(out: Path, loader: str = "wds", strategy: str = "fsdp2", nproc: int = 2, epochs: int | None = None,
              train_per_class: int = 6000, val_per_class: int = 200, extra: list[str] | None = None) -> dict:
-
-
-
+    """The demo's three steps into ``out`` (the module says what they are); the run's end record, the analysis and
+    the run folder."""
     console = make_console()
     out = out.resolve()
     seconds: dict[str, float] = {}
