@@ -78,16 +78,20 @@ int roi_decode_rgb(const uint8_t *jpeg, size_t size, uint8_t *dst, int x, int y,
   cinfo.err = jpeg_std_error(&jerr.pub);
   jerr.pub.error_exit = roi_error_exit;
   jerr.pub.output_message = roi_output_message;
-  jpeg_create_decompress(&cinfo);
+  /* The escape is set before jpeg_create_decompress, which can fail too (out of memory, or a libjpeg of another
+     ABI: a struct size or version it refuses): it clears cinfo.mem before anything that fails, so destroying is
+     then a no-op. */
   if (setjmp(jerr.escape)) {
     jpeg_destroy_decompress(&cinfo);
     __atomic_fetch_add(&counts[1], 1, __ATOMIC_RELAXED);
     return ROI_ERROR;
   }
+  jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, jpeg, (unsigned long)size);
   jpeg_read_header(&cinfo, TRUE);
-  if (x < 0 || y < 0 || w < 1 || h < 1 || (JDIMENSION)(x + w) > cinfo.image_width ||
-      (JDIMENSION)(y + h) > cinfo.image_height) {
+  /* 64-bit sums: x + w and y + h overflow an int for a box far outside any image. */
+  if (x < 0 || y < 0 || w < 1 || h < 1 || (int64_t)x + w > (int64_t)cinfo.image_width ||
+      (int64_t)y + h > (int64_t)cinfo.image_height) {
     jpeg_destroy_decompress(&cinfo);
     return ROI_BAD_BOX;
   }

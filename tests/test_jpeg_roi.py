@@ -1,11 +1,15 @@
 """The crop-region decode (convit_scale/_jpeg_roi.c) gives the whole decode's pixels, then the crop, bit for bit."""
 
+import ctypes.util
 import io
 import logging
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
 from PIL import Image
+from support import PY, run_group
 from test_jpeg import encode, photo_like
 
 from convit_scale import jpeg_roi
@@ -114,6 +118,48 @@ def test_refusals_match_the_whole_decode_and_are_counted():
     assert jpeg_roi.decode_box(data, 1, 2, 3, 4).shape == (3, 4, 3)
     after = jpeg_roi.counts()
     assert after["decoded"] - before["decoded"] == 1 and after["refused"] - before["refused"] == 3
+
+
+# jpeg_CreateDecompress as a libjpeg of another ABI answers the library's call: it refuses the struct size, through
+# the caller's error_exit (a shim loaded before the library, so that the library binds to it).
+REFUSING_CREATE = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+void jpeg_CreateDecompress(void *cinfo, int version, size_t structsize) {
+  typedef void (*create)(void *, int, size_t);
+  create real = (create)dlsym(dlopen(LIBJPEG, RTLD_NOW), "jpeg_CreateDecompress");
+  real(cinfo, version, structsize + 1);
+}
+"""
+
+
+def test_a_failure_creating_the_decompressor_is_refused_not_a_crash(tmp_path):
+    """jpeg_create_decompress fails through error_exit (out of memory, a struct size or version it refuses): the
+    call returns -1, as for any JPEG libjpeg refuses, where a longjmp to an escape not yet set crashed the process."""
+    assert jpeg_roi.AVAILABLE, jpeg_roi.LIBRARY
+    libjpeg, gcc = ctypes.util.find_library("jpeg"), shutil.which("gcc")
+    if libjpeg is None or gcc is None:
+        pytest.skip("needs gcc and libjpeg to build the shim")
+    (tmp_path / "shim.c").write_text(REFUSING_CREATE)
+    subprocess.run([gcc, "-shared", "-fPIC", f'-DLIBJPEG="{libjpeg}"', str(tmp_path / "shim.c"), "-o",
+                    str(tmp_path / "shim.so"), "-ldl"], check=True, capture_output=True)
+    script = (f"import ctypes\n"
+              f"ctypes.CDLL({str(tmp_path / 'shim.so')!r}, mode=ctypes.RTLD_GLOBAL)\n"
+              f"f = ctypes.CDLL({jpeg_roi.LIBRARY!r}).roi_decode_rgb\n"
+              f"f.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p] + [ctypes.c_int] * 4\n"
+              f"dst = ctypes.create_string_buffer(12)\n"
+              f"print('rc', f(b'\\xff\\xd8\\xff\\xd9', 4, dst, 0, 0, 2, 2))\n")
+    out = run_group([PY, "-c", script], timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "rc -1"), out.stderr[-2000:]
+
+
+def test_boxes_far_outside_the_image_are_refused():
+    data = encode(photo_like(40, 52), quality=90)
+    for i, j, h, w in [(0, 2**31 - 1, 1, 2**31 - 1), (2**31 - 1, 0, 2**31 - 1, 1), (0, 1, 1, 2**31 - 1),
+                       (-2**31, 0, 5, 5), (0, 0, -5, -5), (0, 0, 41, 52), (0, 0, 40, 53)]:
+        dst = np.zeros(12, np.uint8)
+        assert jpeg_roi.roi_decode_rgb(data, len(data), dst.ctypes.data, j, i, w, h) == -2, (i, j, h, w)
+        assert not dst.any()
 
 
 def test_without_the_library_the_whole_decode_then_the_crop_and_one_warning(monkeypatch, caplog):
