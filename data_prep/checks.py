@@ -4,6 +4,7 @@ so that an interrupted conversion does not decode again."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -70,6 +71,25 @@ def _check_one_ffcv(sample: tuple[str, int, int | None]) -> tuple[str, int, str 
     return path, label, None, KEPT if ours is not None and np.array_equal(ours, pixels) else RAW
 
 
+@contextlib.contextmanager
+def worker_pool(workers: int):
+    """A ``ProcessPoolExecutor`` of ``workers`` processes for the phases of a conversion. Left normally, it waits for
+    them; left by an exception (a refused sample, Ctrl-C, a caller's time limit) its queued work is cancelled and its
+    processes are killed, not waited for. ``ProcessPoolExecutor``'s own exit waits for every task already handed out:
+    for ever when one worker hangs (a stalled read, a lock a forked worker inherited held)."""
+    pool = ProcessPoolExecutor(workers)
+    try:
+        yield pool
+    except BaseException:
+        processes = list((pool._processes or {}).values())  # shutdown() forgets them
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:
+            with contextlib.suppress(OSError, ValueError):
+                p.kill()  # the pool's own thread reaps them and ends
+        raise
+    pool.shutdown(wait=True)
+
+
 def progress_bar():
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[rate]:>8} img/s"), TimeRemainingColumn(), transient=False)
@@ -87,7 +107,7 @@ def check_images(samples: list[Sample], out: Path, split: str, opts: PrepOptions
     keep = opts.fmt == "ffcv" and opts.write_mode == "keep"
     valid, skipped, storage = [], [], {}
     t0 = time.time()
-    with progress_bar() as progress, ProcessPoolExecutor(opts.workers) as pool:
+    with progress_bar() as progress, worker_pool(opts.workers) as pool:
         task = progress.add_task(f"check {split}", total=len(samples), rate="")
         results = pool.map(_check_one_ffcv if keep else _check_one,
                            [(s.path, s.label, opts.max_resolution) for s in samples], chunksize=64)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import tarfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from braceexpand import braceexpand
@@ -23,7 +22,7 @@ from convit_scale.imagetree import PrepError
 from convit_scale.manifest import MANIFEST, Manifest, Split, read_label, split_in_name
 from convit_scale.streams import CommandStream, open_stream
 
-from .checks import class_counts
+from .checks import class_counts, worker_pool
 
 
 def _count(job: tuple[str, str, str]) -> tuple[str, int, dict, int | None, str | None]:
@@ -123,7 +122,7 @@ def index(src: str | Path, out: str | Path | None = None, label: str = "cls", sp
         raise PrepError(f"prep index: {dest} is not writable; allowed: --out DIR, a folder of your own for the "
                         f"manifest (the shards stay where they are)")
     jobs = [(n, src.format(name=n) if remote else str(Path(src) / n), label) for n in names]
-    with ProcessPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
+    with worker_pool(max(1, min(workers, len(jobs)))) as pool:
         counted = list(pool.map(_count, jobs))
     problems = [f"{name}: {why}" for name, _, _, _, why in counted if why]
     if problems:

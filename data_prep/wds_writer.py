@@ -10,13 +10,12 @@ import math
 import random
 import tarfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from convit_scale.files import atomic_path, write_json_atomic
 from convit_scale.imagetree import PrepError, Sample
 
-from .checks import class_counts, progress_bar, sha256_file
+from .checks import class_counts, progress_bar, sha256_file, worker_pool
 from .options import PrepOptions
 from .sources import load_rgb_jpeg
 
@@ -70,7 +69,7 @@ def write_wds(samples: list[Sample], out: Path, split: str, opts: PrepOptions, k
             todo.append((final, items))
     per_class_of = {Path(f).name: class_counts([label for _, _, label in items]) for f, items in jobs}
     t0 = time.time()
-    with progress_bar() as progress, ProcessPoolExecutor(opts.workers) as pool:
+    with progress_bar() as progress, worker_pool(opts.workers) as pool:
         total = sum(len(items) for _, items in jobs)
         task = progress.add_task(f"wds {split}", total=total, completed=total - sum(len(i) for _, i in todo), rate="")
         written = 0

@@ -4,13 +4,16 @@ for FFCV's ``write_mode: keep`` how each readable one will be stored, and the re
 from __future__ import annotations
 
 import io
+import multiprocessing.connection
+import time
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from convit_scale.imagetree import Sample
 from data_prep import PrepOptions
-from data_prep.checks import KEPT, RAW, RESIZED, check_images, class_counts
+from data_prep.checks import KEPT, RAW, RESIZED, check_images, class_counts, worker_pool
 
 
 def _image(path, size=(40, 30), mode="RGB", fmt="JPEG") -> str:
@@ -62,3 +65,22 @@ def test_the_check_is_cached_per_split_and_key(tmp_path):
 def test_class_counts_are_by_label_in_label_order():
     assert list(class_counts([10, 2, 2, 0, 10, 10]).items()) == [("0", 1), ("2", 2), ("10", 3)]
     assert class_counts([]) == {}
+
+
+def test_a_pool_left_by_an_exception_kills_its_workers_instead_of_waiting_for_them():
+    """A conversion interrupted (Ctrl-C, a refused sample, a caller's time limit) while a worker hangs ends at once:
+    the queued work is cancelled and the workers are killed; ProcessPoolExecutor's own exit would wait for the hung
+    task for ever."""
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with worker_pool(2) as pool:
+            futures = [pool.submit(time.sleep, 3600) for _ in range(3)]
+            workers = list(pool._processes.values())
+            raise KeyboardInterrupt
+    assert time.monotonic() - t0 < 20 and len(workers) == 2
+    ended, deadline = set(), time.monotonic() + 20  # seen without reaping them: the pool's own thread does
+    while (len(ended) < 2 or not all(f.done() for f in futures)) and time.monotonic() < deadline:
+        ended.update(multiprocessing.connection.wait([w.sentinel for w in workers], timeout=0.1))
+    assert len(ended) == 2 and all(f.done() for f in futures)  # each failed (BrokenProcessPool) or cancelled
+    with worker_pool(2) as pool:  # left normally: every task's result
+        assert list(pool.map(abs, [-1, -2, 3])) == [1, 2, 3]
