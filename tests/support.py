@@ -38,20 +38,25 @@ def tiny_recipe(path: Path, fmt: str, data_dir: Path, out: Path, **sections) -> 
 def run_group(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)``, the command in a process group of its own: past
     ``timeout``, the whole group is killed (torchrun and its ranks, their loader workers), not only the command,
-    whose ranks would live on beside the next tests, and the error ends with what the command had printed."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                          start_new_session=True) as proc:
+    whose ranks would live on beside the next tests, and the error ends with what the command had printed. The
+    group is killed on any exception in the wait, not only the time limit: pytest-timeout's failure raised inside
+    ``communicate`` would otherwise leave the wait (``Popen``'s exit waits for the command, for ever when its ranks
+    hang) holding the test worker."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as e:  # the time limit, or pytest-timeout's failure, or Ctrl-C inside the wait
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                out, err = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes
-                out, err = "", ""
-            e.add_note(f"the end of its output:\n{(out or '')[-2000:]}\n{(err or '')[-4000:]}")
-            raise
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes
+            out, err = "", ""
+            proc.kill()
+            proc.wait(timeout=30)
+        e.add_note(f"the end of its output:\n{(out or '')[-2000:]}\n{(err or '')[-4000:]}")
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
