@@ -50,3 +50,12 @@ def test_sample_efficiency_experiment_small(tmp_path):
     again = run_cli(*args)
     assert again.returncode == 0 and all(len(records(out / f"{m}_f{f}", "end")) == 1
                                          for m in table for f in ("0.5", "1"))
+
+
+def test_one_run_at_a_time_trains_in_this_thread(tmp_path):
+    """``--jobs 1`` (the default) trains each run in this process, whose stop signals only the main thread can
+    take: the runs go one after another there, not in a pool thread."""
+    result = se.run_sample_efficiency(tmp_path / "se", [1.0], 2, ["convit_micro"], train_per_class=26,
+                                      val_per_class=4, jobs=1)
+    evals = records(tmp_path / "se" / "convit_micro_f1", "eval")
+    assert [e["epoch"] for e in evals] == [0, 1] and result["table"]["convit_micro"]["1"] == evals[-1]["top1"]

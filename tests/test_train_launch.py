@@ -32,3 +32,22 @@ def test_what_would_fail_is_refused_before_any_process_or_file(fm_wds, tmp_path)
         run_recipe(load_config(recipe, ["data.global_batch_size=4096"]), nproc=1, in_process=True)
     assert not (tmp_path / "out").exists()
 
+
+
+def test_torchrun_started_from_another_thread_runs_in_this_process_group():
+    """Runs trained side by side (``experiment sample-efficiency --jobs 2 --nproc 2``) start torchrun from pool
+    threads, where no signal handler can be set: torchrun then stays in this process group (a signal to the group
+    reaches it) and its status comes back."""
+    import threading
+
+    from convit_scale.train.launch import launch_torchrun
+
+    seen = {}
+
+    def start():
+        seen["rc"] = launch_torchrun(["--help"], 2, quiet=True)
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join(timeout=300)
+    assert seen.get("rc") == 0 and not t.is_alive()

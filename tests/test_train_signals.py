@@ -27,3 +27,10 @@ def test_a_signal_is_recorded_and_the_previous_handlers_restored(signum):
         for s, handler in before.items():
             signal.signal(s, handler)
 
+
+
+def test_outside_the_main_thread_the_refusal_says_how_to_train_there():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="main thread.*child process"):
+        pool.submit(StopSignal).result()

@@ -43,8 +43,11 @@ def run_sample_efficiency(out: Path, fractions: list[float], base_epochs: float,
         print(f"{model} at f = {f:g}, seed {seed}: top-1 {top1:.2f}", flush=True)
         return top1
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda r: train(*r), runs))
+    if jobs == 1:  # in this thread: a run in this process sets its stop signals' handlers, which only it may
+        results = [train(*r) for r in runs]
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(lambda r: train(*r), runs))
     batch = load_config(recipe).data.global_batch_size
     result = _summary(runs, results, fractions, epochs_at, models, batch, val_per_class * 10)
     result.update(base_epochs=base_epochs, train_images=train_per_class * 10, seeds=list(seeds))

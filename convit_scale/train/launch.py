@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,10 +44,13 @@ def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, 
         marker.unlink(missing_ok=True)
     out = subprocess.DEVNULL if quiet else None
     started = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
+    # Only the main thread may set handlers: a torchrun started from another thread (runs trained side by side)
+    # stays in this process group instead, where a signal to the group (Ctrl-C, Slurm, kill -- -PGID) reaches it.
+    main = threading.current_thread() is threading.main_thread()
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=main)
     forward = {s: signal.signal(s, lambda signum, frame: proc.send_signal(
         signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)) for s in (signal.SIGTERM, signal.SIGUSR1,
-                                                                                 signal.SIGINT)}
+                                                                                 signal.SIGINT)} if main else {}
     try:
         rc = proc.wait()
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 
 EXIT_REQUEUE = 75
 """Exit status of a run stopped by SIGUSR1/SIGTERM after saving: the Slurm scripts requeue on it."""
@@ -16,6 +17,10 @@ class StopSignal:
 
     def __init__(self):
         self.signum: int | None = None
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("training in this process must run in its main thread, the only one that can take "
+                               "the stop signals (SIGUSR1/SIGTERM) that save and requeue; from another thread, "
+                               "train in a child process (run_recipe without in_process)")
         self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGUSR1, signal.SIGTERM)}
 
     def restore(self) -> None:
