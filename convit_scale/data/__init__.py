@@ -7,6 +7,38 @@ on every rank, of which the first ``loader.num_real`` samples count (``geometry.
 layout (``geometry.py``): shuffled from the seed with repeated augmentation, whole global batches only, each sample at
 the same place of the same step at any world size, its augmentation seeded by that place, so a run resumed on any number
 of ranks continues bit-identically (up to the reduction order of the gradients).
+
+Where each stage of DeiT's augmentation runs, by format and ``data.augment_on`` (``cpu``: in the loader; ``device``:
+on the training device; ``auto`` is resolved by ``device_augment.augment_on_device``). The loader's
+draws are seeded per view (``order.view_seeds``), the device's from the same seeds (``Batch.seeds``):
+
+| stage (train)      | on     | ffcv                           | wds                            | imagefolder         |
+| ------------------ | ------ | ------------------------------ | ------------------------------ | ------------------- |
+| decode             | both   | ffcv_decoders.py: the crop box | transforms.py: the crop box    | imagefolder.py:     |
+|                    |        | only (jpeg.py decode_rgb_box   | only (jpeg_roi.py; the JPEG    | PIL, the whole      |
+|                    |        | -> jpeg_roi.py)                | opened by faults.py            | image               |
+|                    |        |                                | open_jpeg_or_decode)           |                     |
+| RandomResizedCrop, | both   | ffcv_decoders.py               | transforms.py: timm's, its     | transforms.py:      |
+| flip               |        | SeededCropFlipDecoder          | crop CropDecodingResizedCrop   | timm's              |
+|                    |        | (resample.py,                  |                                |                     |
+|                    |        | splitmix_numba.py)             |                                |                     |
+| RandAugment        | cpu    | private_aug.py, run by         | transforms.py: timm's          | transforms.py:      |
+| (colour jitter     |        | ffcv_decoders.py               |                                | timm's              |
+| without it)        |        | PrivateTimmStage               |                                |                     |
+| normalize          | cpu    | as RandAugment                 | transforms.py: timm's          | transforms.py:      |
+|                    |        |                                |                                | timm's              |
+| random erasing     | cpu    | as RandAugment                 | transforms.py: timm's          | transforms.py:      |
+|                    |        |                                |                                | timm's              |
+| RandAugment,       | device | device_augment.py augment_batch, called by train/step.py, the policy parsed by        |
+| normalize, erasing |        | augment_policy.py (colour jitter: refused by the recipe's check)                      |
+| Mixup / CutMix     | both   | mixup.py GroupMixup, per canonical group, on the device in train/step.py (after the   |
+|                    |        | device augmentation)                                                                  |
+
+Evaluation: the resize and centre crop in ffcv_decoders.py ``TimmEvalDecoder`` (ffcv; resample.py) or timm's eval
+transform (transforms.py ``build_eval_transform``: wds, imagefolder); normalisation there too (ffcv_decoders.py
+``EvalNormalize`` for ffcv), or, with ``augment_on: device``, device_augment.py ``normalize`` called by
+evaluation.py. The wds and imagefolder transforms draw from the global generators, seeded per view by
+transforms.py ``seed_host``; ffcv's from the view's seed (``splitmix_numba``, ``private_aug``'s private generators).
 """
 
 from __future__ import annotations
