@@ -150,13 +150,19 @@ def eval_positions(num_samples: int, spec: LoaderSpec) -> tuple[np.ndarray, int]
     return np.arange(start, start + v) % num_samples, max(0, min(v, num_samples - start))
 
 
+def slot_positions(spec: LoaderSpec, step, group, slots) -> np.ndarray:
+    """Train: the epoch positions of slots ``slots`` of canonical group ``group`` in step ``step`` (arrays or ints):
+    s*B + j*K + k, the one place the canonical layout is written."""
+    return step * spec.global_batch + slots * spec.groups + group
+
+
 def canonical_positions(spec: LoaderSpec, first_view: int, last_view: int) -> np.ndarray:
     """Train: the epoch positions of this rank's views [first_view, last_view), counted over its steps (its groups'
     samples a step, in canonical order: its groups one after the other, each slot by slot)."""
-    b, k, g = spec.global_batch, spec.groups, spec.group_size
+    g = spec.group_size
     i = np.arange(first_view, last_view, dtype=np.int64)
     step, t = np.divmod(i, spec.rank_samples)
-    return step * b + (t % g) * k + spec.first_group + t // g
+    return slot_positions(spec, step, spec.first_group + t // g, t % g)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from ..config import DataConfig
 from ..manifest import Manifest
 from .batch import Batch
 from .faults import DECODE_ERRORS, CropDecodeError, DataError, limit_bad_samples, next_good, pil_rgb, reason_of
-from .geometry import EpochGeometry, LoaderSpec, eval_positions
+from .geometry import EpochGeometry, LoaderSpec, eval_positions, slot_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
 from .shards import shard_samples, shard_url, shuffle_buffer
 from .transforms import build_eval_transform, build_train_transform, image_opener, seed_host
@@ -145,7 +145,7 @@ class _TrainEpoch(IterableDataset):
         ld, v = self.loader, self.loader.views_per_step
         k, lane = divmod(p, ld.lanes)
         slots = lane * v + np.arange(v)
-        seeds = view_seeds(ld.spec.seed, self.epoch, step * ld.spec.global_batch + slots * ld.spec.groups + k)
+        seeds = view_seeds(ld.spec.seed, self.epoch, slot_positions(ld.spec, step, k, slots))
         chunk = part.take(v)
 
         def replacement(i: int, failed: dict):  # the next good view of the partition's stream
