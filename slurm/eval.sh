@@ -26,8 +26,6 @@ for var in CHECKPOINT DATA_DIR; do
         exit 2
     fi
 done
-PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
 CPUS=${SLURM_CPUS_PER_TASK:-$(nproc)}
 run=${CHECKPOINT%:best}
 run=${run%:latest}

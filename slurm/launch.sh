@@ -56,10 +56,6 @@ if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
     echo "error: MAX_RESTARTS=$MAX_RESTARTS is not allowed; use a whole number >= 0 (default 10)" >&2
     exit 2
 fi
-PY=${PYTHON:-.venv/bin/python}
-# The default falls back to python3; a PYTHON the site names is kept even where the batch shell cannot see it (a
-# container's interpreter exists only inside the srun steps).
-[ -n "${PYTHON:-}" ] || [ -x "$PY" ] || PY=python3
 CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HOST_PY=${HOST_PYTHON:-$PY}
 command -v "$HOST_PY" >/dev/null 2>&1 || HOST_PY=python3

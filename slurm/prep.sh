@@ -27,8 +27,6 @@ for var in SRC OUT; do
 done
 VERIFY=${VERIFY:-1}
 case "$VERIFY" in 0 | 1) ;; *) echo "error: VERIFY=$VERIFY is not allowed; allowed: 1 (verify after converting) or 0" >&2; exit 2 ;; esac
-PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
 CPUS=${SLURM_CPUS_PER_TASK:-$(nproc)}
 echo "== convit-scale prep job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}: $FORMAT, $CPUS CPUs"
 echo "== $SRC -> $OUT ${PREP_ARGS:-}"

@@ -45,6 +45,25 @@ def test_scripts_refuse_missing_settings_before_anything_runs(script, env, error
     assert len(lines) == 1 and lines[0].startswith(error), lines
 
 
+@pytest.mark.parametrize("python,site,expected", [
+    ("/opt/image-only/bin/python", "", "/opt/image-only/bin/python"),  # a container's: kept though the host lacks it
+    ("", "PYTHON=/opt/image-only/bin/python3", "/opt/image-only/bin/python3"),  # named by the site script
+    ("", "", "python3"),  # no .venv in the submit folder: python3
+])
+def test_every_script_runs_the_python_the_site_names(python, site, expected, tmp_path):
+    """launch.sh, prep.sh and eval.sh take their Python from the site hook: a PYTHON that exists only inside the
+    container's srun steps is kept as given, not replaced by the batch shell's python3."""
+    (tmp_path / "site.sh").write_text(site + "\n")
+    env = {"PATH": os.environ["PATH"], "SITE_SCRIPT": str(tmp_path / "site.sh"),
+           **({"PYTHON": python} if python else {})}
+    out = subprocess.run(["bash", "-c", f"cd {tmp_path} && source {REPO}/slurm/site_hook.sh && echo \"$PY\""],
+                         capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
+    for script in ("launch.sh", "prep.sh", "eval.sh"):
+        text = (REPO / "slurm" / script).read_text()
+        assert "site_hook.sh" in text and "PY=" not in text.replace("HOST_PY=", ""), script
+
+
 def test_every_shipped_recipe_has_a_run_folder_of_its_own():
     """One run folder per recipe: what the Slurm scripts use by default, as `convit-scale train` does."""
     from convit_scale.config import load_config
