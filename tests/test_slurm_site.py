@@ -1,5 +1,6 @@
-"""slurm/train.sh, slurm/prep.sh and the site hook (slurm/site_hook.sh) on the real local Slurm cluster: any recipe
-into its own run.output_dir, the site's settings and network variables reaching every rank, the conversion job."""
+"""slurm/train.sh, slurm/prep.sh, slurm/eval.sh and the site hook (slurm/site_hook.sh) on the real local Slurm
+cluster: any recipe into its own run.output_dir, the site's settings and network variables reaching every rank, the
+conversion job, the prep -> train -> eval chain."""
 
 from __future__ import annotations
 
@@ -75,27 +76,36 @@ def test_every_shipped_recipe_has_a_run_folder_of_its_own():
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, fm_tree, tmp_path):
-    """No OUTPUT_DIR: the run folder is the recipe's run.output_dir (it was runs/<job name>, where a Table 3
-    recipe submitted with a Table 1 script found Table 1's checkpoints). The site file's exported network settings
-    reach every rank (gloo really binds to GLOO_SOCKET_IFNAME=lo here) and its SRUN_ARGS reach the step. The batch
-    shell's Python cannot import torch (a container site's host): the checks before training run in an srun step."""
+def test_prep_train_eval_chain_with_the_site_settings(slurm, fm_tree, tmp_path):
+    """The chain the docs show: slurm/prep.sh converts with the job's CPUs and verifies, slurm/train.sh trains on
+    its shards once it has ended well, slurm/eval.sh evaluates the run's best checkpoint after that. No OUTPUT_DIR:
+    the run folder is the recipe's run.output_dir (it was runs/<job name>, where a Table 3 recipe submitted with a
+    Table 1 script found Table 1's checkpoints). The site file's exported network settings reach every rank (gloo
+    really binds to GLOO_SOCKET_IFNAME=lo here) and its SRUN_ARGS reach the step. The batch shell's Python cannot
+    import torch (a container site's host): the checks before training run in an srun step."""
     out = tmp_path / "runs" / "table3" / "b_10pct"
-    recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"max_steps": 2})
+    shards = tmp_path / "wds"
+    recipe = tiny_recipe(tmp_path / "r.yaml", "wds", shards, out, schedule={"max_steps": 2})
     seen = tmp_path / "ranks.txt"
     notorch = tmp_path / "notorch"
     notorch.mkdir()
     (notorch / "torch.py").write_text("raise ImportError('no torch in the batch shell')\n")
     wrapper = tmp_path / "python.sh"  # PYTHON: records what each process of a step was given, then runs python
-    wrapper.write_text(f"#!/bin/bash\nif [ -n \"${{SLURM_STEP_ID:-}}\" ]; then echo \"step=$SLURM_STEP_ID "
+    wrapper.write_text(f"#!/bin/bash\nif [ -n \"${{SLURM_STEP_ID:-}}\" ]; then "
+                       f"echo \"step=$SLURM_JOB_ID.$SLURM_STEP_ID "
                        f"rank=$SLURM_PROCID gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}}\" >> {seen}\n"
                        f"exec {VENV_PY} \"$@\"; fi\n"
                        f"PYTHONPATH={notorch}${{PYTHONPATH:+:$PYTHONPATH}} exec {VENV_PY} \"$@\"\n")
     wrapper.chmod(0o755)
     site = tmp_path / "site.sh"
     site.write_text(f"export GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo\nSRUN_ARGS=--label\nPYTHON={wrapper}\n")
+    prep_log = tmp_path / "prep.out"
+    prep = slurm.sbatch("--cpus-per-task=2", "--time=15", f"--output={prep_log}", str(REPO / "slurm" / "prep.sh"),
+                        env={"FORMAT": "wds", "SRC": str(fm_tree), "OUT": str(shards), "PREP_ARGS": "--shard-size 300",
+                             "SITE_SCRIPT": str(site)}, cwd=REPO)
     log = tmp_path / "job.out"
-    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "train.sh"),
+    job = slurm.sbatch(f"--dependency=afterok:{prep}", "--nodes=2", *CPU_SBATCH, f"--output={log}",
+                       str(REPO / "slurm" / "train.sh"),
                        env={"RECIPE": str(recipe), "SITE_SCRIPT": str(site), "MASTER_ADDR": "127.0.0.1",
                             # a lone rank's variables in the submitting shell (sbatch exports them) are not the ranks'
                             "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cwd=REPO)
@@ -103,7 +113,14 @@ def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, 
     eval_log = tmp_path / "eval.out"
     evaluation = slurm.sbatch(f"--dependency=afterok:{job}", *CPU_SBATCH, f"--output={eval_log}",
                               str(REPO / "slurm" / "eval.sh"), cwd=REPO,
-                              env={"CHECKPOINT": f"{out}:best", "DATA_DIR": str(fm_tree), "SITE_SCRIPT": str(site)})
+                              env={"CHECKPOINT": f"{out}:best", "DATA_DIR": str(shards), "SITE_SCRIPT": str(site)})
+    assert slurm.wait_job(prep, timeout=300)["JobState"] == "COMPLETED", prep_log.read_text()[-3000:]
+    prep_text = prep_log.read_text()
+    assert "wds, 2 CPUs" in prep_text
+    assert f"verified {shards}: every file matches the manifest, and the manifest matches {fm_tree}" in prep_text
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["options"]["workers"] == 2 and manifest["options"]["shard_size"] == 300
+    assert manifest["splits"]["train"]["num_samples"] == 1000
     info = slurm.wait_job(job, timeout=300)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", text[-3000:]
@@ -123,24 +140,6 @@ def test_train_sh_runs_a_recipe_in_its_run_folder_with_the_site_settings(slurm, 
     training = [r for r in ranks if r[0] == step]
     assert sorted(r[1] for r in training) == ["rank=0", "rank=1"], ranks
     assert all(r[2:] == ["gloo=lo", "nccl=lo"] for r in training), ranks
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_prep_sh_converts_with_the_jobs_cpus_and_verifies(slurm, fm_tree, tmp_path):
-    out = tmp_path / "wds"
-    log = tmp_path / "prep.out"
-    job = slurm.sbatch("--cpus-per-task=2", "--time=15", f"--output={log}", str(REPO / "slurm" / "prep.sh"),
-                       env={"FORMAT": "wds", "SRC": str(fm_tree), "OUT": str(out), "PREP_ARGS": "--shard-size 300",
-                            "PYTHON": VENV_PY}, cwd=REPO)
-    info = slurm.wait_job(job, timeout=300)
-    text = log.read_text()
-    assert info["JobState"] == "COMPLETED", text[-3000:]
-    assert "wds, 2 CPUs" in text
-    assert f"verified {out}: every file matches the manifest, and the manifest matches {fm_tree}" in text
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["options"]["workers"] == 2 and manifest["options"]["shard_size"] == 300
-    assert manifest["splits"]["train"]["num_samples"] == 1000
 
 
 @pytest.mark.slurm
