@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from ..files import write_atomic
 from .distributed import check_world, free_port
 from .engine import exit_status
 from .preflight import preflight
+from .setup import write_resolved
 from .signals import EXIT_REQUEUE
+
+__all__ = ["launch_torchrun", "run_recipe", "write_resolved"]
 
 
 def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, quiet: bool = False,
@@ -59,13 +61,6 @@ def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, 
     if rc != 0 and marker is not None and marker.is_file() and marker.stat().st_mtime >= started - 1:
         return EXIT_REQUEUE
     return rc
-
-
-def write_resolved(cfg: Config) -> Path:
-    """The resolved config in the run folder (``config.yaml``), which ranks started by this process load."""
-    out = Path(cfg.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return write_atomic(out / "config.yaml", cfg.to_yaml())
 
 
 def run_recipe(cfg: Config, nproc: int = 1, env: dict | None = None, in_process: bool = False,

@@ -14,6 +14,7 @@ from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device
 from ..data.device_augment import config_of as device_augment_config
 from ..data.mixup import GroupMixup
+from ..files import write_atomic
 from ..metrics import MetricsWriter, wandb_options
 from ..models import MODELS, create_model, load_pretrained
 from ..models.weights import check_state_dict, convert_state_dict, read_state_dict
@@ -137,14 +138,21 @@ def _schedule_length(cfg: Config, train_loader: Loader, accum: int) -> tuple[int
     return steps_per_epoch, total_steps
 
 
+def write_resolved(cfg: Config) -> Path:
+    """The resolved config in the run folder (``config.yaml``), published atomically: written by a launching process
+    for the ranks it starts to load (``launch.run_recipe``), and by rank 0's set-up."""
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_atomic(out / "config.yaml", cfg.to_yaml())
+
+
 def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | None = None) -> tuple[Run, TrainState]:
     out = Path(cfg.run.output_dir)
     micro, accum = check_world(cfg, ctx.world_size)
     lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
     ckpt, why = _resume_point(cfg, out, ctx.world_size)
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(cfg.to_yaml())
+        write_resolved(cfg)
         (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
     note = shares_note(cfg.data.groups, ctx.world_size)
     split = (f"micro {micro} x accumulation {accum} x world {ctx.world_size}" if note is None else
