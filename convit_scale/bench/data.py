@@ -182,7 +182,7 @@ def ffcv_free_threads(loader, epoch: int, workers: int, buffers: dict) -> tuple[
     Returns (images, seconds, {batch number: the pipeline's outputs}) for each thread's last batch (views of its
     buffers): the loader gives the same batches."""
 
-    ffcv_loader = loader._ffcv_loader()
+    ffcv_loader = loader.ffcv_loader()
     order, size = loader.views(epoch), ffcv_loader.batch_size
     batches = [order[i:i + size] for i in range(0, len(order) - size + 1, size)]
     for k in range(workers):

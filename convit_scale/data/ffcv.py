@@ -105,15 +105,18 @@ class FfcvLoader:
         others = {name: None for name in Reader(str(self._path)).field_names if name not in (image, label)}
         return {image: self._image_pipeline(), label: [ViewLabelDecoder(), ToTensor(), Squeeze()], **others}
 
-    def _ffcv_loader(self) -> Loader:
-        """Built once (ffcv compiles the pipelines with numba: seconds). Its order is never used: ``epoch`` hands each
-        epoch's views to ``EpochIterator`` itself."""
+    def ffcv_loader(self) -> Loader:
+        """ffcv's Loader of this split, with its compiled pipelines (``ffcv_decoders.py``) and buffers: built once
+        (ffcv compiles the pipelines with numba: seconds). Its order is never used: ``epoch`` hands each epoch's views
+        (``views``) to ``EpochIterator`` itself; ``bench data`` runs its stages on threads of its own."""
         if self._loader is None:
             self._loader = Loader(
                 str(self._path), batch_size=self.spec.micro_batch_size, num_workers=max(1, self.d.num_workers),
                 order=OrderOption.SEQUENTIAL, indices=self._indices, seed=self.spec.seed, drop_last=self.spec.train,
                 os_cache=True, pipelines=self._pipelines())
         return self._loader
+
+    _ffcv_loader = ffcv_loader  # the name tests/test_data_ffcv_epoch.py still calls
 
     def views(self, epoch: int, start_batch: int = 0) -> np.ndarray:
         """The ids ffcv passes through the pipeline for this rank's views from ``start_batch`` on: the file
@@ -126,7 +129,7 @@ class FfcvLoader:
 
     def epoch(self, epoch: int, start_batch: int = 0):
         """Batches ``start_batch``.. of ``epoch``. Closing the generator (or dropping it) stops ffcv's thread."""
-        loader = self._ffcv_loader()
+        loader = self.ffcv_loader()
         order = self.views(epoch, start_batch)
         if self.spec.train:  # whole micro-batches only (the decoder marks replaced views in this array's memory)
             order = order[:len(order) // loader.batch_size * loader.batch_size]
