@@ -85,3 +85,6 @@ def test_plan_at_80_columns_shows_whole_strategy_names(capsys, monkeypatch):
     out = capsys.readouterr().out
     _check_80_columns(out, ["ddp", "fsdp2", "zero1", "zero2", "zero3"], "layout")
     assert "Memory per GPU (GiB)" in out and "┃ total" in out and "wall-clock h" in out
+    too_wide = [line for line in out.splitlines() if len(line) > 80]
+    assert not too_wide, too_wide  # the prose after the tables is folded too: time, links, loader, checkpoints
+    assert "\nrecommended: " in out and "\ncheckpoints: " in out and "\n  " in out

@@ -9,11 +9,25 @@ never the cores of the machine the plan runs on (a login node, a laptop).
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 from ..cadence import advice_line
 from ..slurm_scripts import SlurmScript, job_scripts
 from .argtypes import fraction, positive_float, positive_int, recipe
+
+
+def _say(text: str) -> None:
+    """A line of the plan's prose: folded to the width of a terminal (or ``COLUMNS``), continuations indented; in
+    a log file (no terminal, no ``COLUMNS``), one line per fact, whole, for grep."""
+    from ..console import console
+
+    out = console()
+    if not (out.is_terminal or os.environ.get("COLUMNS", "").isdigit()):
+        print(text)
+        return
+    print(textwrap.fill(text, width=out.width, subsequent_indent="  ", break_long_words=False,
+                        break_on_hyphens=False))
 
 
 def slurm_jobs() -> list[SlurmScript]:
@@ -83,12 +97,12 @@ def _cmd_plan(args) -> int:
     gpus = args.gpus_per_node or (job.gpus_per_node if job else 8)
     cpus, cpus_from = cpus_per_gpu(args.cpus_per_gpu, job)
     if job and not args.nodes and not args.gpus_per_node:
-        print(f"the job's shape from slurm/{job.path.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
+        _say(f"the job's shape from slurm/{job.path.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
     check_shape(cfg, nodes, gpus)
     _print_plan(cfg, args, nodes, gpus, links, cpus)
     _print_links(args.gpu, links)
     _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
-    print(advice_line(cfg.run.output_dir, nodes * gpus, args.mtbf_hours))
+    _say(advice_line(cfg.run.output_dir, nodes * gpus, args.mtbf_hours))
     return 0
 
 
@@ -103,21 +117,21 @@ def _print_plan(cfg, args, nodes: int, gpus: int, links, cpus) -> None:
     _time_table(rows, f"Time per step (ms): {title}")
     extra = [x for x, on in (("+1 forward (activation checkpointing)", cfg.parallel.activation_checkpointing),
                              (f"+ the teacher's forward ({cfg.distill.teacher_model})", cfg.distill.enabled)) if on]
-    print(f"time: compute = 3 x forward FLOPs{' ' + ' '.join(extra) if extra else ''} at an assumed MFU of "
+    _say(f"time: compute = 3 x forward FLOPs{' ' + ' '.join(extra) if extra else ''} at an assumed MFU of "
           f"{args.mfu:.0%} of the GPU's peak (--mfu; `convit-scale bench mfu` measures it on the GPU); the hours leave "
           f"out evaluation, checkpoints, start-up and queueing")
     note = shares_note(cfg.data.groups, nodes * gpus)
     if note:  # the step's time above is the busiest rank's
-        print(f"note: {note}")
+        _say(f"note: {note}")
     best, own = recommend(rows), next(r for r in rows if r["recipe_layout"])
     if best is None:
-        print("recommended: none: no layout fits in memory (more GPUs, or parallel.activation_checkpointing=true)")
+        _say("recommended: none: no layout fits in memory (more GPUs, or parallel.activation_checkpointing=true)")
     elif best is own:
-        print(f"recommended: {best['layout']}, the recipe's layout: {best['step_s'] * 1e3:.1f} ms per step, bound by "
+        _say(f"recommended: {best['layout']}, the recipe's layout: {best['step_s'] * 1e3:.1f} ms per step, bound by "
               f"{best['bound_by']}")
     else:
         theirs = "does not fit" if own["micro_batch"] is None else f"{own['step_s'] * 1e3:.1f} ms"
-        print(f"recommended: {best['layout']} ({' '.join(best['overrides'])}): {best['step_s'] * 1e3:.1f} ms per step, "
+        _say(f"recommended: {best['layout']} ({' '.join(best['overrides'])}): {best['step_s'] * 1e3:.1f} ms per step, "
               f"bound by {best['bound_by']}; the recipe's {own['layout']}: {theirs}")
 
 
@@ -174,7 +188,7 @@ def _print_links(gpu: str, links) -> None:
     from ..hardware import GPUS
 
     g = GPUS[gpu]
-    print(f"links per GPU, one direction: {g.intra_link} {links.intra_gbytes_s:g} GB/s, network "
+    _say(f"links per GPU, one direction: {g.intra_link} {links.intra_gbytes_s:g} GB/s, network "
           f"{links.inter_gbytes_s:g} GB/s (data sheet: {g.intra_gbytes_s:g} and {g.inter_gbytes_s:g}; "
           f"--intra-gbytes-per-s / --inter-gbytes-per-s take a cluster's nccl-tests busbw)")
 
@@ -183,11 +197,11 @@ def _print_loader(cfg, args, world: int, cpus: float | None, cpus_from: str) -> 
     from ..planner import loader_check
 
     if cpus is None:
-        print("loader: not checked: no Slurm script runs this recipe and this is no Slurm allocation; "
+        _say("loader: not checked: no Slurm script runs this recipe and this is no Slurm allocation; "
               "pass --cpus-per-gpu N (the job's CPU cores per GPU)")
         return
     lc = loader_check(cfg, args.gpu, cpus, args.mfu, world)
-    print(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (compute {lc['step_s']:.3f} s per step); "
+    _say(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (compute {lc['step_s']:.3f} s per step); "
           f"{cpus:g} CPU cores per GPU ({cpus_from}), {lc['loader_cores']:g} for data.num_workers = "
           f"{cfg.data.num_workers}, give {lc['loader_images_per_s']:,.0f} images/s "
           f"({lc['format']}, {lc['cpu_ms_per_image']:.2f} CPU ms per image, augmentation on the {lc['augment_on']})")
@@ -199,10 +213,10 @@ def _print_loader(cfg, args, world: int, cpus: float | None, cpus_from: str) -> 
             remedies.append("data.format=ffcv")
         if lc["augment_on"] != "device":
             remedies.append("data.augment_on=device")
-        print(f"warning: the loader is slower than the GPUs ({lc['loader_images_per_s'] / lc['gpu_images_per_s']:.2f}x "
+        _say(f"warning: the loader is slower than the GPUs ({lc['loader_images_per_s'] / lc['gpu_images_per_s']:.2f}x "
               f"of what they need): {', or '.join(remedies)}")
     else:
-        print("the GPUs are slower than the loader: it is not the bottleneck")
+        _say("the GPUs are slower than the loader: it is not the bottleneck")
 
 
 def _slurm_jobs_table(args, links) -> int:
