@@ -238,10 +238,30 @@ def test_random_erasing_rate_and_boxes_match_timm():
     assert abs(noise.mean().item()) < 0.02 and noise.std().item() == pytest.approx(1.0, abs=0.02)
 
 
-def test_throughput_runs():
-    from convit_scale.bench.data import device_augment_rate
+def test_throughput_times_the_steps_after_the_warm_up(monkeypatch):
+    """`bench data`'s device-stage rate (bench/data.py ``device_augment_rate``): ``warmup`` untimed calls, then
+    ``steps`` timed ones, each of ``augment_batch`` on the whole uint8 batch with seeds no other call repeats (the
+    same seeds would time the same plan again); images/s = batch x steps / the timed seconds."""
+    import types
 
-    assert device_augment_rate("cpu", batch=4, img_size=32, steps=1, warmup=1) > 0
+    from convit_scale.bench import data as bench
+
+    calls = []
+
+    def recorded(x, seeds, cfg=None):
+        out = augment_batch(x, seeds, cfg)
+        calls.append((x.dtype, tuple(x.shape), seeds.tolist(), out.dtype, tuple(out.shape)))
+        return out
+
+    clock = iter([10.0, 12.5])  # the start and the end of the timed steps
+    monkeypatch.setattr(bench, "augment_batch", recorded)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    rate = bench.device_augment_rate("cpu", batch=4, img_size=32, steps=3, warmup=2)
+    assert rate == pytest.approx(4 * 3 / 2.5)
+    assert len(calls) == 5 and {c[:2] for c in calls} == {(torch.uint8, (4, 3, 32, 32))}
+    assert {c[3:] for c in calls} == {(torch.float32, (4, 3, 32, 32))}
+    seeds = [s for c in calls for s in c[2]]
+    assert len(set(seeds)) == len(seeds) == 20
 
 
 class HostToDevice(TorchFunctionMode):
