@@ -269,6 +269,7 @@ class Collective:
 
 
 def dtype_bytes(name: str) -> int:
+    """Bytes per element of a precision (``parallel.precision``, DeepSpeed's ``communication_data_type``)."""
     return {"fp32": 4, "bf16": 2, "fp16": 2}[name]
 
 
@@ -308,7 +309,7 @@ def _fsdp2_collectives(p: ParallelConfig, f: ModelFacts, nodes: int, g: int, acc
     world, replicas = nodes * g, p.hsdp_replicas
     shard = world // replicas  # the mesh is (replicate, shard): a shard group is `shard` consecutive ranks
     shard_nodes, replicate_nodes = max(1, math.ceil(shard / g)), min(replicas, nodes)
-    c = 4 if p.precision == "fp32" else 2  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    c = dtype_bytes(p.precision)  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     units = f.depth + 1  # one per block and the root
     every, blocks = f.padded(shard), f.padded(shard, blocks=True)
     out = []
@@ -328,7 +329,7 @@ def _zero_collectives(p: ParallelConfig, f: ModelFacts, world: int, nodes: int, 
     P, stage = f.params, int(p.strategy[-1])
     z = zero_sizes(p, P, device)
     comm = zero_comm_bytes(p, P, device)
-    param = 4 if p.precision == "fp32" else 2
+    param = dtype_bytes(p.precision)
     reduced = accum if stage >= 2 else 1  # ZeRO-1 reduces at the accumulation boundary only
     buckets = math.ceil(P / z["bucket"])
     # the reduction runs in backward as buckets fill; with overlap_comm off it holds the compute stream
@@ -435,7 +436,7 @@ def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4, layout
          links: Links | None = None, cpus_per_gpu: float | None = None) -> list[dict]:
     """One row per layout (default: ``standard_layouts(nodes)`` and the recipe's own; a name such as "zero3" is that
     strategy's layout). ``cpus_per_gpu``: the loader's cores, None to leave the loader out."""
-    c = 4 if cfg.parallel.precision == "fp32" else 2
+    c = dtype_bytes(cfg.parallel.precision)
     facts = model_facts(cfg, c)
     links = links or Links.of(gpu)
     own = Layout.of(cfg.parallel, nodes * gpus_per_node, gpus_per_node)
@@ -479,7 +480,7 @@ def loader_cores(cfg, cpus_per_gpu: float) -> float:
 
 def _row(cfg, facts: ModelFacts, layout: Layout, nodes: int, g: int, gpu: str, mfu: float, links: Links,
          cpus_per_gpu: float | None) -> dict:
-    world, c = nodes * g, (4 if cfg.parallel.precision == "fp32" else 2)
+    world, c = nodes * g, dtype_bytes(cfg.parallel.precision)
     p = layout.apply(cfg.parallel)
     global_batch, groups = cfg.data.global_batch_size, cfg.data.groups
     # the busiest rank's images: with unequal shares of the canonical groups the step waits for it
@@ -540,7 +541,7 @@ def loader_check(cfg, gpu: str, cpus_per_gpu: float, mfu: float = 0.4, world: in
     The augmentation runs where a CUDA run would put it (``data.augment_on``, auto = the device when it supports
     the recipe); the loader's rate is ``loader_cores`` (the CPUs, at most ``data.num_workers``) x 1000 / its CPU ms
     per image."""
-    c = 4 if cfg.parallel.precision == "fp32" else 2
+    c = dtype_bytes(cfg.parallel.precision)
     facts = model_facts(cfg, c)
     global_batch = cfg.data.global_batch_size
     flops = train_flops_per_image(cfg, facts, cfg.parallel)

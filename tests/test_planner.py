@@ -211,3 +211,28 @@ def test_the_recipes_layout_is_the_hsdp_mesh_the_run_builds():
         assert own == [f"hsdp {nodes}x8 no-reshard"], own
     cfg = load_config(recipe, ["parallel.hsdp_replicas=2"])
     assert [r["layout"] for r in plan(cfg, 4, 8, "h200-141gb") if r["recipe_layout"]] == ["hsdp 2x16 no-reshard"]
+
+
+def _crop_decode_table() -> dict[str, tuple[float, float]]:
+    """BENCHMARKS.md's "Decoding only the crop" table: (whole, box) CPU ms per image by the row's first words."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    section = text.split("\n## Decoding only the crop\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and re.fullmatch(r"[\d.]+", cells[1]) and re.fullmatch(r"[\d.]+", cells[2]):
+            rows[cells[0]] = float(cells[1]), float(cells[2])
+    return rows
+
+
+def test_crop_decode_savings_are_the_benchmarks_figures():
+    """``CROP_DECODE_SAVED_MS`` is BENCHMARKS.md's whole-image less box-only decode, FFCV's compiled decode and the
+    WebDataset crop step: the constant and the document cannot drift apart."""
+    from convit_scale.planner import CROP_DECODE_SAVED_MS
+
+    rows = _crop_decode_table()
+    (ffcv,) = [v for k, v in rows.items() if k.startswith("FFCV's compiled decode")]
+    (wds,) = [v for k, v in rows.items() if k.startswith("WebDataset's crop step")]
+    assert set(CROP_DECODE_SAVED_MS) == {"ffcv", "wds"}
+    assert CROP_DECODE_SAVED_MS["ffcv"] == pytest.approx(ffcv[0] - ffcv[1], abs=1e-9)
+    assert CROP_DECODE_SAVED_MS["wds"] == pytest.approx(wds[0] - wds[1], abs=1e-9)
