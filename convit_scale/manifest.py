@@ -69,6 +69,8 @@ FFCV_SUFFIXES = (".ffcv", ".beton")
 """FFCV files: ffcv-imagenet names them ``train_500_0.50_90.ffcv``, ``prep ffcv`` ``train_full_keep_q90_f1.beton``."""
 FFCV_FIELDS = ("image", "label")
 """The image and label fields' names in FFCV files (``prep ffcv``'s and ffcv-imagenet's; ``data.ffcv_fields``)."""
+FIELDS_OPTION = "data.ffcv_fields (`prep verify`: --ffcv-fields)"
+"""Where other fields' names are given: the recipe's key, and ``prep verify``'s option (named in refusals)."""
 
 
 @dataclass
@@ -215,7 +217,14 @@ class Manifest:
                             f"set (FFCV subsets are taken at load time), or data.subset_fraction = 1.0")
 
     def require_classes(self, num_classes: int | None) -> None:
-        """WebDataset shards keep the first N classes only when converted so (``prep wds --num-classes N``)."""
+        """WebDataset shards keep the first N classes only when converted so (``prep wds --num-classes N``); shards
+        whose class count nothing records (timm's layout) are refused naming ``prep index``, which counts it."""
+        if num_classes is not None and not self.num_classes:
+            raise DataError(f"{self.location}: the shards' class count is unknown (no class names or per-class "
+                            f"counts recorded, as timm's {TIMM_INFO} records none), "
+                            f"data.num_classes = {num_classes}; describe them with `convit-scale prep index "
+                            f"{self.shard_location} --out DIR` (it counts the classes; --label json:FIELD where the "
+                            f"labels are in KEY.json) and train from DIR, or set data.num_classes = null")
         if num_classes is not None and self.num_classes != num_classes:
             raise DataError(f"{self.location}: shards hold {self.num_classes} classes, data.num_classes = "
                             f"{num_classes}; convert with `convit-scale prep wds --num-classes {num_classes}` "
@@ -313,11 +322,11 @@ def read_ffcv_labels(path: Path, fields: tuple[str, str] = FFCV_FIELDS) -> np.nd
     image, label = fields
     if image not in names or label not in names:
         raise DataError(f"{path}: FFCV fields {names}, no {image!r} image field or no {label!r} label field; set "
-                        f"data.ffcv_fields to the file's [image, label] names")
+                        f"{FIELDS_OPTION} to the file's [image, label] names")
     index = names.index(label)
     if not isinstance(reader.handlers[label], IntField):
         raise DataError(f"{path}: FFCV field {label!r} is a {type(reader.handlers[label]).__name__}, not an IntField; "
-                        f"set data.ffcv_fields to the file's [image, label] names")
+                        f"set {FIELDS_OPTION} to the file's [image, label] names")
     labels = np.asarray(reader.metadata[f"f{index}"]).astype(np.int64)
     if len(labels) and labels.min() < 0:
         raise DataError(f"{path}: negative labels in field {label!r}; allowed: labels 0..N-1")

@@ -1,49 +1,70 @@
 """``prep verify``: every output file re-read and checked against the manifest (checksums, sample and per-class
 counts, label range), and with a source tree, the manifest checked against the tree. FFCV files and WebDataset
-shards another tool wrote are checked the same way, against what their own description records."""
+shards another tool wrote are checked the same way, against what their own description records: shards indexed
+where they lie (``prep index``) are read from there, remote ones (a URL template) streamed as the loaders stream
+them; FFCV fields named otherwise are named with ``ffcv_fields`` (``--ffcv-fields``, as ``data.ffcv_fields``)."""
 
 from __future__ import annotations
 
+import hashlib
 import tarfile
 from pathlib import Path
 
 from convit_scale.imagetree import list_classes, scan_split, subsample
-from convit_scale.manifest import DataError, Manifest, described, read_ffcv_labels, read_label
+from convit_scale.manifest import FFCV_FIELDS, TIMM_INFO, DataError, Manifest, described, read_ffcv_labels, read_label
+from convit_scale.streams import CommandStream, open_stream, shard_url
 
 from .checks import class_counts, sha256_file
 
 
-def verify(out: str | Path, src: str | Path | None = None) -> list[str]:
+def verify(out: str | Path, src: str | Path | None = None, ffcv_fields: tuple[str, str] = FFCV_FIELDS,
+           notes: list[str] | None = None) -> list[str]:
     """Re-read every output file of ``out`` and check it against the manifest; with ``src``, also check the
-    manifest against that source tree (:func:`check_source`). Returns the problems found."""
+    manifest against that source tree (:func:`check_source`). ``ffcv_fields``: the image and label fields of FFCV
+    files read in place. Returns the problems found; what was not checked, and why, is appended to ``notes``."""
     out = Path(out)
+    notes = [] if notes is None else notes
     if not described(str(out)):
         return [f"{out}: no manifest.json (nor timm's _info.json, nor FFCV files); allowed: a `convit-scale prep` "
                 f"output, or data another tool wrote that the loaders read in place"]
     try:
-        manifest = Manifest.read(out)
+        manifest = Manifest.read(out, ffcv_fields)
     except DataError as e:
         return [str(e)]
+    location = manifest.shard_location
+    remote = "{name}" in location
+    if remote and manifest.format == "ffcv":
+        return [f"{out}: FFCV files at a URL template ({location}); allowed: FFCV files in a local folder"]
     problems = []
     n_classes = manifest.num_classes
+    if not n_classes:
+        notes.append(f"{out}: the class count is unknown (no class names or per-class counts, as in timm's "
+                     f"{TIMM_INFO}): labels checked to be >= 0 only; `convit-scale prep index` counts the classes")
     for split, info in manifest.splits.items():
         counts: dict[str, int] = {}
         for name, rec in info.files.items():
-            path = manifest.folder / name
-            if not path.is_file():
-                problems.append(f"{path}: missing")
+            where = shard_url(location, name) if remote else manifest.folder / name
+            if not remote and not where.is_file():
+                problems.append(f"{where}: missing")
                 continue
-            if "sha256" in rec and sha256_file(path) != rec["sha256"]:
-                problems.append(f"{path}: checksum differs from the manifest (corrupt or changed)")
             try:
-                labels = _read_labels(path, manifest.format, manifest.label_member)
-            except Exception as e:  # a truncated tar or beton is reported, not raised
-                problems.append(f"{path}: unreadable ({type(e).__name__}: {e})")
+                if remote:
+                    labels, digest = _read_remote(where, manifest.label_member)
+                else:
+                    labels, digest = _read_labels(where, manifest.format, manifest.label_member, ffcv_fields), None
+            except Exception as e:  # a truncated tar or beton, a failed command, is reported, not raised
+                if not remote and "sha256" in rec and sha256_file(where) != rec["sha256"]:
+                    problems.append(f"{where}: checksum differs from the manifest (corrupt or changed)")
+                problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
                 continue
+            if "sha256" in rec and (digest or sha256_file(where)) != rec["sha256"]:
+                problems.append(f"{where}: checksum differs from the manifest (corrupt or changed)")
             if len(labels) != rec["samples"]:
-                problems.append(f"{path}: {len(labels)} samples, manifest says {rec['samples']}")
-            if any(not 0 <= label < n_classes for label in labels):
-                problems.append(f"{path}: labels outside 0..{n_classes - 1}")
+                problems.append(f"{where}: {len(labels)} samples, manifest says {rec['samples']}")
+            if n_classes and any(not 0 <= label < n_classes for label in labels):
+                problems.append(f"{where}: labels outside 0..{n_classes - 1}")
+            elif not n_classes and any(label < 0 for label in labels):
+                problems.append(f"{where}: negative labels (the class count is unknown; allowed: labels >= 0)")
             for k, v in class_counts(labels).items():
                 counts[k] = counts.get(k, 0) + v
         if info.per_class and counts != info.per_class and not any(split in p for p in problems):
@@ -85,14 +106,62 @@ def _opt_path(value: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-def _read_labels(path: Path, fmt: str, label: str = "cls") -> list[int]:
+def _read_labels(path: Path, fmt: str, label: str = "cls", ffcv_fields: tuple[str, str] = FFCV_FIELDS) -> list[int]:
     if fmt == "ffcv":
-        return read_ffcv_labels(path).tolist()
-    labels, ext = [], "." + label.partition(":")[0]
+        return read_ffcv_labels(path, ffcv_fields).tolist()
     with tarfile.open(path, "r") as tar:
-        for member in tar:
-            if member.name.endswith(ext):
-                labels.append(read_label(tar.extractfile(member).read(), label))
-            elif member.name.endswith(".jpg"):
-                tar.extractfile(member).read()  # read the bytes: a truncated member raises
+        return _tar_labels(tar, label)
+
+
+def _tar_labels(tar: tarfile.TarFile, label: str) -> list[int]:
+    """The label of each sample of an open tar (each label member's), every image member read through: a truncated
+    member raises."""
+    labels, ext = [], "." + label.partition(":")[0]
+    for member in tar:
+        if member.name.endswith(ext):
+            labels.append(read_label(tar.extractfile(member).read(), label))
+        elif member.name.endswith(".jpg"):
+            payload = tar.extractfile(member).read()
+            if len(payload) != member.size:
+                raise tarfile.ReadError(f"member {member.name} truncated")
     return labels
+
+
+class _Hashed:
+    """A stream read through, its bytes hashed (a remote shard is read once: its labels and its checksum)."""
+
+    def __init__(self, stream):
+        self.stream, self.sha = stream, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.sha.update(data)
+        return data
+
+    def rest(self) -> str:
+        """Read what the tar reader left (its end blocks) and return the checksum of the whole."""
+        while self.read(1 << 20):
+            pass
+        return self.sha.hexdigest()
+
+
+def _read_remote(url: str, label: str) -> tuple[list[int], str]:
+    """(labels, sha256) of the shard at ``url``, streamed once as the loaders stream it (``convit_scale.streams``);
+    a command that fails is a failed read (OSError, with the command's own reason)."""
+    stream = open_stream(url)
+    try:
+        hashed = _Hashed(stream)
+        try:
+            with tarfile.open(fileobj=hashed, mode="r|") as tar:
+                labels = _tar_labels(tar, label)
+            digest = hashed.rest()
+            if isinstance(stream, CommandStream):
+                stream.finish()
+        except (OSError, tarfile.TarError, EOFError) as e:
+            failure = stream.failure(wait=True) if isinstance(stream, CommandStream) else None
+            if failure:
+                raise OSError(failure) from e
+            raise
+        return labels, digest
+    finally:
+        stream.close()

@@ -38,12 +38,31 @@ def _cmd_convert(args) -> int:
 def _cmd_verify(args) -> int:
     from data_prep import verify
 
-    problems = verify(args.dir, src=args.src)
+    notes: list[str] = []
+    problems = verify(args.dir, src=args.src, ffcv_fields=args.ffcv_fields, notes=notes)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     checked = "every file matches the manifest" + (f", and the manifest matches {args.src}" if args.src else "")
     print(f"verified {args.dir}: {checked}" if not problems else f"{args.dir}: {len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def _ffcv_fields(text: str) -> tuple[str, str]:
+    """``--ffcv-fields``: two field names, as the recipe's ``data.ffcv_fields`` (a YAML list ``[img, target]``; a
+    bare ``img,target`` too)."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",")]
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) and v for v in value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: the image and label fields' names, '[image, label]'")
+    return value[0], value[1]
 
 
 def _cmd_index(args) -> int:
@@ -126,6 +145,9 @@ def _add_kinds(prep_sub) -> dict[str, argparse.ArgumentParser]:
     p.add_argument("dir", metavar="DIR", help="the prepared folder (a `prep ffcv` or `prep wds` output)")
     p.add_argument("--src", help="the source tree DIR was converted from: also check that the manifest has its "
                                  "classes and accounts for every one of its images (written or listed as skipped)")
+    p.add_argument("--ffcv-fields", type=_ffcv_fields, default=("image", "label"), metavar="FIELDS",
+                   help="FFCV files another tool wrote: their image and label fields' names, as the recipe's "
+                        "data.ffcv_fields ('[img, target]'; default: [image, label])")
     p.set_defaults(func=_cmd_verify)
     p = parsers["fashion-mnist"] = prep_sub.add_parser(
         "fashion-mnist", help="build the embedded Fashion-MNIST ImageFolder tree (Debian's dataset-fashion-mnist)")

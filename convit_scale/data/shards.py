@@ -18,13 +18,18 @@ def _tar_samples(tar, where: list, label: str = "cls"):
     """(key, jpg, label, reason) of each sample of an open tar stream, in order; ``where[0]`` holds the key being
     read. The label is the ``.cls`` member, or with ``label="json:FIELD"`` that field of the ``.json`` member
     (``Manifest.label_member``). A sample without both members or with an unreadable label comes with a reason
-    instead of data. Other members of a sample (timm's ``.json`` sidecar, before or after the two) are read past."""
-    key, jpg, cls, given = None, None, None, None
+    instead of data (one without ``.cls`` but with a ``.json`` member names ``prep index --label json:FIELD``, which
+    reads the label there). Other members of a sample (timm's ``.json`` sidecar, before or after the two) are read
+    past."""
+    key, jpg, cls, given, has_json = None, None, None, None, False
     label_ext, _, field = label.partition(":")  # the field: named in a refusal
 
     def sample():
         if jpg is None or cls is None:
-            return key, None, None, f"incomplete sample (no .{'jpg' if jpg is None else label_ext} member)"
+            missing = "jpg" if jpg is None else label_ext
+            fix = ("; if the labels are in KEY.json, describe the shards with `convit-scale prep index SRC --label "
+                   "json:FIELD --out DIR` and train from DIR" if missing == "cls" and has_json else "")
+            return key, None, None, f"incomplete sample (no .{missing} member{fix})"
         try:
             return key, jpg, read_label(cls, label), None
         except (ValueError, KeyError, TypeError):
@@ -37,7 +42,7 @@ def _tar_samples(tar, where: list, label: str = "cls"):
         if stem != key:
             if key is not None:
                 yield sample()
-            key, jpg, cls = stem, None, None
+            key, jpg, cls, has_json = stem, None, None, False
             where[0] = key
         payload = tar.extractfile(member).read()
         if len(payload) != member.size:
@@ -46,6 +51,7 @@ def _tar_samples(tar, where: list, label: str = "cls"):
             jpg = payload
         elif ext == label_ext:
             cls = payload
+        has_json = has_json or ext == "json"
         if jpg is not None and cls is not None:
             yield sample()
             key, jpg, cls, given = None, None, None, stem
