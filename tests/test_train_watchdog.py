@@ -2,6 +2,7 @@
 that stopped first (from the heartbeats, without a collective); the loop's phases and checkpoint.every_minutes."""
 
 import json
+import subprocess
 import threading
 import time
 
@@ -58,6 +59,7 @@ def test_a_rank_whose_watchdog_fires_gets_the_stacks_of_every_other_rank(tmp_pat
         stuck.wait(60)
 
     threading.Thread(target=_stuck_in_the_validation_loader, daemon=True).start()
+    worker = subprocess.Popen(["sleep", "60"])  # a loader worker of rank 1 (the ranks share this process here)
     slow = Timeouts(step=100, startup=100, long=100)
     r1 = Watchdog(tmp_path, 1, 2, slow, heartbeat_s=0.2, on_hang=lambda r: None).start()
     r1.started = True
@@ -77,10 +79,13 @@ def test_a_rank_whose_watchdog_fires_gets_the_stacks_of_every_other_rank(tmp_pat
         assert text.startswith("rank 1 on ") and "asked by rank 0 on " in text and "its watchdog fired" in text
         assert "this rank had been in evaluation after step 6 for " in text
         assert "_stuck_in_the_validation_loader" in text  # where it was
+        assert f"pid {worker.pid} sleep state S waiting in " in text  # and its loader workers
         assert r1.fired is None and r1._thread.is_alive()  # asked, it only writes: its own timeouts still decide
         assert "rank 1 on " in capsys.readouterr().err
     finally:
         stuck.set()
+        worker.kill()
+        worker.wait()
         r1.stop()
         r0.stop()
 
@@ -140,7 +145,6 @@ def test_child_states_say_where_the_kernel_has_each_worker_wait():
     """A hang report lists the rank's children with their state and wait channel: what tells a stopped worker (T),
     a worker stuck on a lock (S in a futex) and an idle one apart."""
     import signal
-    import subprocess
     import time
 
     from convit_scale.train.watchdog import child_states

@@ -207,12 +207,15 @@ class Watchdog:
             return
         stacks = self.write_stacks(f"asked by rank {req.get('rank')} on {req.get('node')} ({req.get('reason')}); "
                                    f"this rank had been in {where(self.step, self.phase)} for "
-                                   f"{time.time() - self.since:.0f} s")
+                                   f"{time.time() - self.since:.0f} s", child_states())
+        if self.backend == "nccl":  # the collectives this rank entered: beside the asking rank's, who waited on whom
+            dump_flight_recorder(self.out / "hangs" / f"rank_{self.rank}.nccl_trace.pkl")
         print(f"[convit-scale] rank {self.rank} on {self.node}: every thread's stack in {stacks} (asked by rank "
               f"{req.get('rank')}: {req.get('reason')})", file=sys.stderr, flush=True)
 
-    def write_stacks(self, headline: str) -> Path:
-        """Every thread's Python stack (faulthandler: works from this thread, whatever the main thread is doing)."""
+    def write_stacks(self, headline: str, children: list[dict] | None = None) -> Path:
+        """Every thread's Python stack (faulthandler: works from this thread, whatever the main thread is doing),
+        then this rank's child processes (its loader workers) with their state and wait channel."""
         hangs = self.out / "hangs"
         hangs.mkdir(parents=True, exist_ok=True)
         stacks = hangs / f"rank_{self.rank}.stacks.txt"
@@ -220,6 +223,10 @@ class Watchdog:
             f.write(f"rank {self.rank} on {self.node}, pid {self.pid}: {headline}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            if children is not None:
+                f.write(f"\nchild processes (loader workers) of pid {self.pid}: "
+                        + ("; ".join(f"pid {c['pid']} {c['name']} state {c['state']} waiting in {c['wchan'] or '-'}"
+                                     for c in children) or "none") + "\n")
         return stacks
 
     def fire(self, waited: float, limit: float) -> dict:
@@ -227,12 +234,12 @@ class Watchdog:
         (default: end the process with ``EXIT_HANG``)."""
         hangs = self.out / "hangs"
         self.request_stacks(f"its watchdog fired: no progress for {waited:.0f} s in {where(self.step, self.phase)}")
+        children = child_states()  # now: once a rank ends, the job's kill continues (SIGCONT) stopped workers
         stacks = self.write_stacks(f"no progress for {waited:.0f} s in {where(self.step, self.phase)} "
-                                   f"(limit {limit:g} s)")
+                                   f"(limit {limit:g} s)", children)
         print(f"[convit-scale] rank {self.rank} on {self.node}: no progress for {waited:.0f} s in "
               f"{where(self.step, self.phase)}; every thread's stack (also in {stacks}):\n{stacks.read_text()}",
               file=sys.stderr, flush=True)
-        children = child_states()  # now: once a rank ends, the job's kill continues (SIGCONT) stopped workers
         trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self.backend == "nccl" else None
         self.publish("hung")
         time.sleep(min(2.0, self.heartbeat_s))  # the other ranks that fire now publish their state too
