@@ -8,8 +8,8 @@ most 8 minutes on one H200 (docs/gpu.md counts their launches and steps), the fi
   DDP and FSDP2 steps under CUDA's sync debug mode. All in this process: no interpreter start but pytest's.
 - g2: the command end to end for each strategy (`convit-scale train` stopped by the signal, resumed, through the
   universal checkpoint for ZeRO, `export`, `eval` on the GPU, `analyze` for fsdp2).
-- g3: bf16 and fp16 against fp32, fp16 loss scaling, an injected infinite gradient skipped exactly, the CUDA device
-  augmentation equal to the CPU's.
+- g3: bf16 and fp16 against fp32, fp16 loss scaling, an injected infinite gradient skipped exactly, the flight
+  recorder's collectives in a hang report, the CUDA device augmentation equal to the CPU's.
 - g4: a tiny run that learns, `bench gate`, the device augmentation's throughput, FFCV batches pinned.
 - g5: `bench model` and `bench mfu` (ConViT-B+, compiled).
 - g6: two ranks against one under NCCL, which needs two GPUs (NCCL refuses two ranks on one GPU): FSDP2's sharded
@@ -341,6 +341,29 @@ def test_injected_inf_gradient_is_skipped_exactly_under_nccl(strategy, tree, tmp
     digests = {d["step"]: d["state_digest"] for d in _records(tmp_path / "inf", "digest")}
     assert digests[3] == digests[2] and digests[4] != digests[3]
     assert _records(tmp_path / "inf")[-1]["skipped_steps"] == 1
+
+
+@pytest.mark.g3
+def test_a_hang_report_under_nccl_has_the_flight_recorders_collectives(tmp_path, monkeypatch):
+    """What a rank's hang report (or its answer to another rank's) writes under NCCL beside its stacks: the
+    collectives it entered, from NCCL's flight recorder (slurm/launch.sh sets TORCH_NCCL_TRACE_BUFFER_SIZE)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from convit_scale.train.watchdog import dump_flight_recorder
+
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")  # read when the process group is made
+    with one_rank_group(torch.device("cuda")):
+        t = torch.ones(1024, device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        written = dump_flight_recorder(tmp_path / "rank_0.nccl_trace.pkl")
+    assert written == str(tmp_path / "rank_0.nccl_trace.pkl"), written
+    trace = pickle.loads((tmp_path / "rank_0.nccl_trace.pkl").read_bytes())
+    names = [str(e.get("profiling_name", "")) for e in trace.get("entries", [])]
+    _write("nccl_flight_recorder.json", names)
+    assert any("all_reduce" in n.replace("allreduce", "all_reduce") for n in names), names
 
 
 @pytest.mark.g3
