@@ -1,8 +1,8 @@
 """The command line: bad input is one `error:` line naming the flag and what is allowed, exit status 2, no
-traceback, before any work starts; `train --resume`; shipped recipes by name."""
+traceback, before any work starts; shipped recipes by name. Each command's own tests: tests/test_cli_<command>.py."""
 
 import pytest
-from support import REPO, run_cli, tiny_recipe, train_here
+from support import REPO
 
 from convit_scale.cli import main
 from convit_scale.config import ConfigError, find_recipe, recipe_path
@@ -93,27 +93,3 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch):
     assert find_recipe(DEMO).resolve() == (tmp_path / DEMO).resolve()  # a file that exists comes first
     with pytest.raises(ConfigError, match="recipe not found: cpu/none.yaml"):
         recipe_path("cpu/none.yaml")
-
-
-@pytest.mark.slow
-def test_resume_flag_is_the_checkpoint_resume_override(fm_tree, tmp_path):
-    r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", parallel={"strategy": "none"},
-                    schedule={"max_steps": 2}, checkpoint={"every_steps": 1}, data={"val_path": ""})
-    assert train_here(r) == 0  # the checkpoint to name; the flag is the command's (below)
-    step1 = tmp_path / "out" / "checkpoints" / "step_000000001"
-    # the flag wins over an override of the same key, and names a checkpoint that is not the newest (of another
-    # run: a run's own folder only goes forward, tests/test_train_checkpoint.py)
-    res = run_cli("train", "--recipe", str(r), "--resume", str(step1), "checkpoint.resume=none",
-                  "schedule.max_steps=3", f"run.output_dir={tmp_path / 'second'}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"resumed from {step1} at step 1" in res.stdout
-
-
-def test_tables_written_to_a_file_keep_their_headers(capsys, monkeypatch):
-    """Not a terminal (a file, a Slurm log): the table is as wide as it needs, no header cut to "par…"."""
-    from convit_scale.cli import main
-
-    monkeypatch.delenv("COLUMNS", raising=False)  # COLUMNS, when set, is the width (tests/test_console.py)
-    assert main(["models"]) == 0
-    out = capsys.readouterr().out
-    assert "params (M)" in out and "GPSA layers" in out and "…" not in out
