@@ -94,7 +94,10 @@ def test_kept_bytes_are_the_source_files_and_the_rest_pils_pixels(tree, kept):
 
 def test_loader_pixels_are_timms_for_the_same_crop_boxes(tree, kept):
     """Eval: timm's transform (resize to 256/224 of the size, centre crop). Train: timm's resized crop of the box
-    the view's seed draws, flipped as drawn. Every kind of file, JPEG or raw, gives exactly timm's pixels."""
+    the view's seed draws, flipped as drawn. Every kind of file, JPEG or raw, gives exactly timm's pixels. The train
+    decoder decodes each kept JPEG's crop box alone (jpeg_roi: one box per view whose box is not the whole image,
+    none refused; the loader's threads are this process's); the eval decoder decodes whole images (turbojpeg)."""
+    from convit_scale import jpeg_roi
     from convit_scale.config import DataConfig
     from convit_scale.data import LoaderSpec, build_loader
     from convit_scale.data.ffcv_decoders import FILE_INDEX, ID_BITS, seeded_crop
@@ -104,22 +107,31 @@ def test_loader_pixels_are_timms_for_the_same_crop_boxes(tree, kept):
     val = build_loader(d, LoaderSpec("val", 48, 7, augment_on_device=True))
     timm_eval = create_transform(48, is_training=False, interpolation="bicubic", crop_pct=0.875, use_prefetcher=True)
     files = _files(tree, "val")
+    before = jpeg_roi.counts()
     images = torch.cat([b.images for b in val.epoch(0)])
+    after_eval = jpeg_roi.counts()
+    assert (after_eval["decoded"], after_eval["refused"]) == (before["decoded"], before["refused"])
     for f, x in zip(files, images, strict=True):
         assert torch.equal(x, timm_eval(Image.open(f).convert("RGB"))), f
     train = build_loader(d, LoaderSpec("train", 40, 7, augment_on_device=True))
     files, views = _files(tree, "train"), train.views(0)
+    before = jpeg_roi.counts()
     images = torch.cat([b.images for b in train.epoch(0)])
+    after = jpeg_roi.counts()
     ratio = np.log(np.array((3 / 4, 4 / 3)))
+    boxes = 0
     for view, x in zip(views, images, strict=True):
         img = Image.open(files[int(view & FILE_INDEX)]).convert("RGB")
         seed = view >> ID_BITS
         i, j, h, w = seeded_crop(img.size[1], img.size[0], np.array(d.crop_scale), ratio, seed)
+        boxes += KINDS[files[int(view & FILE_INDEX)].name] == "kept" and (h, w) != (img.size[1], img.size[0])
         ref = F.resized_crop(img, i, j, h, w, [40, 40], InterpolationMode.BICUBIC)
         if uniform(seed, FLIP_DRAW) < d.hflip:
             ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
         assert torch.equal(x, torch.from_numpy(np.array(ref)).permute(2, 0, 1)), (
             files[int(view & FILE_INDEX)], i, j, h, w)
+    assert after["decoded"] - before["decoded"] == boxes > 0 and after["refused"] == before["refused"], (
+        before, after, boxes)
 
 
 def test_fashion_mnist_keeps_every_file(fm_tree, fm_ffcv):

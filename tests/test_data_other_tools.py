@@ -3,9 +3,12 @@ with webdataset's own ShardWriter as timm's ImageNet shards are published; and t
 shards read by timm's own WebDataset reader."""
 
 import json
+import shutil
+import tarfile
 
 import pytest
-from support import records, tiny_recipe, train_here
+import torch
+from support import epoch_batches, losses, records, run_many, tiny_recipe, train_here
 
 from convit_scale.cli import main
 from convit_scale.data.formats import detect_format
@@ -57,18 +60,62 @@ def test_timm_layout_is_described_by_its_info_file(timm_shards):
         (timm_shards / "_info.bak").rename(timm_shards / "_info.json")
 
 
-def test_train_resume_evaluate_and_analyse_timm_shards_without_prep(timm_shards, tmp_path, capsys):
+STOP, TOTAL = 2, 4
+"""The resumed runs: 2 steps on 1 rank, then on 2 ranks up to step 4 (mid-epoch: 1000 images make 31 steps of 32)."""
+
+
+def _resume_on_two_ranks(tmp, fmt: str, path, **data) -> dict:
+    """A run of STOP steps on 1 rank (in this process), then, in one 2-rank launch, its resume up to TOTAL and the
+    same recipe uninterrupted on 2 ranks: {"resumed", "full": output folders, "statuses", "log": the launch's
+    output}."""
+    sections = dict(checkpoint={"every_steps": STOP}, log={"every_steps": 1, "progress": False,
+                                                          "debug_samples": True}, data=data)
+    resumed = tiny_recipe(tmp / "r.yaml", fmt, path, tmp / "run", schedule={"max_steps": STOP}, **sections)
+    full = tiny_recipe(tmp / "full.yaml", fmt, path, tmp / "full", schedule={"max_steps": TOTAL}, **sections)
+    first = train_here(resumed)
+    statuses = run_many([{"recipe": resumed, "overrides": [f"schedule.max_steps={TOTAL}"]}, {"recipe": full}],
+                        tmp / "launch")
+    return {"resumed": tmp / "run", "full": tmp / "full", "statuses": [first, *statuses],
+            "log": (tmp / "launch" / "output.txt").read_text()}
+
+
+def _assert_continues(runs: dict):
+    """As tests/test_train_elastic.py's: the run stopped at STOP on 1 rank and resumed on 2 is the uninterrupted
+    2-rank run, step for step: the same losses (within 1e-5, relative) and every step's global batch the same sample
+    ids in the same order."""
+    assert runs["statuses"] == [0, 0, 0], runs["statuses"]
+    checkpoint = runs["resumed"] / "checkpoints" / f"step_{STOP:09d}"
+    assert any(f"resumed from {checkpoint} at step {STOP}" in line and f"resumed step {STOP} from 1 rank(s) on 2"
+               in line for line in runs["log"].splitlines()), runs["log"][-3000:]
+    got, want = losses(runs["resumed"]), losses(runs["full"])
+    assert len(got) == len(want) == TOTAL
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} resumed, {b} uninterrupted"
+    ids = [(r["step"], r["ids"]) for r in records(runs["resumed"], "samples")]
+    assert ids == [(r["step"], r["ids"]) for r in records(runs["full"], "samples")]
+    assert [step for step, _ in ids] == list(range(1, TOTAL + 1))
+    assert all(len(batch) == 32 for _, batch in ids)
+    every = [i for _, batch in ids for i in batch]
+    assert len(set(every)) == len(every)  # the epoch continues: no sample twice
+
+
+@pytest.fixture(scope="module")
+def timm_runs(timm_shards, tmp_path_factory):
+    return _resume_on_two_ranks(tmp_path_factory.mktemp("timm_runs"), "wds", timm_shards)
+
+
+def test_timm_shards_stopped_on_one_rank_resume_on_two_as_the_uninterrupted_run(timm_runs):
+    _assert_continues(timm_runs)
+    ids = [i for rec in records(timm_runs["resumed"], "samples") for i in rec["ids"]]
+    assert all(str(i).split("/")[0].startswith("imagenet1k-train-") for i in ids), ids[:3]
+
+
+def test_train_resume_evaluate_and_analyse_timm_shards_without_prep(timm_shards, timm_runs, tmp_path, capsys):
     """The loader, preflight, eval and analyze on another tool's shards, as they are: every step's samples are the
     shards' own (labels from .cls), a run of 2 steps on 1 rank continues on 2 ranks with none of its samples twice,
     and the whole validation split is evaluated once."""
-    from support import run_ranks
-
-    out = tmp_path / "run"
-    r = tiny_recipe(tmp_path / "r.yaml", "wds", timm_shards, out, schedule={"max_steps": 2},
-                    checkpoint={"every_steps": 2}, log={"every_steps": 1, "progress": False, "debug_samples": True})
-    assert train_here(r) == 0
-    res = run_ranks(r, "schedule.max_steps=4")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = timm_runs["resumed"]
+    assert timm_runs["statuses"][:2] == [0, 0], timm_runs["statuses"]
     assert [rec["step"] for rec in records(out, "samples")] == [1, 2, 3, 4]
     ids = [i for rec in records(out, "samples") for i in rec["ids"]]
     assert len(ids) == 4 * 32 == len(set(ids))
@@ -158,22 +205,26 @@ def test_ffcv_files_are_described_by_their_label_column(ffcv_imagenet, fm_ffcv):
         Manifest.read(ffcv_imagenet, ("img", "label"))
 
 
-def test_train_resume_on_two_ranks_evaluate_analyse_and_verify_ffcv_imagenet_files(ffcv_imagenet, fm_tree, tmp_path):
+@pytest.fixture(scope="module")
+def ffcv_runs(ffcv_imagenet, tmp_path_factory):
+    return _resume_on_two_ranks(tmp_path_factory.mktemp("ffcv_runs"), "ffcv", ffcv_imagenet,
+                                val_path=str(ffcv_imagenet / "val_32_0.50_90.ffcv"))
+
+
+def test_ffcv_imagenet_files_stopped_on_one_rank_resume_on_two_as_the_uninterrupted_run(ffcv_runs):
+    _assert_continues(ffcv_runs)
+
+
+def test_train_resume_on_two_ranks_evaluate_analyse_and_verify_ffcv_imagenet_files(ffcv_imagenet, ffcv_runs,
+                                                                                   tmp_path):
     """ffcv-imagenet's files as they are: a run of 2 steps on 1 rank resumed on 2 ranks continues the same samples,
     a Table 2 subset takes the first images of each class, eval and analyze read the val file, and `prep verify`
     checks them."""
-    from support import run_ranks
-
     from convit_scale.config import DataConfig
     from convit_scale.data import LoaderSpec, build_loader
 
-    out = tmp_path / "run"
-    r = tiny_recipe(tmp_path / "r.yaml", "ffcv", ffcv_imagenet, out, schedule={"max_steps": 2},
-                    checkpoint={"every_steps": 2}, log={"every_steps": 1, "progress": False, "debug_samples": True},
-                    data={"val_path": str(ffcv_imagenet / "val_32_0.50_90.ffcv")})
-    assert train_here(r) == 0
-    res = run_ranks(r, "schedule.max_steps=4")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = ffcv_runs["resumed"]
+    assert ffcv_runs["statuses"][:2] == [0, 0], ffcv_runs["statuses"]
     steps = [rec["step"] for rec in records(out, "samples")]
     assert steps == [1, 2, 3, 4], steps
     ids = [i for rec in records(out, "samples") for i in rec["ids"]]
@@ -232,3 +283,122 @@ def test_data_num_classes_keeps_the_first_labels_at_load_or_refuses_shards_conve
     with pytest.raises(DataError, match=r"shards hold 10 classes, data.num_classes = 4; convert with `convit-scale "
                                         r"prep wds --num-classes 4`"):
         build_loader(shards, LoaderSpec("val", 16, 20))
+
+
+def _truncated(jpeg: bytes) -> bytes:
+    """A JPEG cut a few bytes into its scan (a download or copy that stopped there): no crop box of it decodes."""
+    return jpeg[:jpeg.index(b"\xff\xda") + 24]
+
+
+def _rewrite_tar(path, change) -> None:
+    """Rewrite a tar shard with ``change(member_name, payload) -> payload`` applied to every member."""
+    import io
+
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for m, data in members:
+            data = change(m.name, data)
+            m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+
+
+def _train_loader(fmt: str, path, **keys):
+    """The train loader of a 1-rank run of tiny_recipe's batch (32, 16 canonical groups of 2) on ``path``."""
+    from convit_scale.config import DataConfig
+    from convit_scale.data import LoaderSpec, build_loader
+    from convit_scale.models import MODELS
+
+    d = DataConfig(format=fmt, train_path=str(path), val_path=str(path), global_batch_size=32, repeated_aug=1,
+                   **keys)
+    return build_loader(d, LoaderSpec("train", MODELS["convit_nano"].img_size, 32, global_batch_size=32,
+                                      canonical_groups=d.groups))
+
+
+def _first_steps(loader, steps: int = 3, start: int = 0) -> list[tuple]:
+    """(images, labels, bad samples) of ``steps`` batches of epoch 0 from batch ``start`` (``epoch_batches``'), the
+    epoch then closed."""
+    batches = loader.epoch(0, start)
+    try:
+        return [(b.images.clone(), b.labels.clone(), b.bad) for _, b in zip(range(steps), batches)]
+    finally:
+        batches.close()
+
+
+def _assert_replaced_and_logged(broken, clean, path, tmp_path, fmt: str, **data) -> list[dict]:
+    """Training on ``path`` (a copy of another tool's data with truncated JPEGs) as on the project's own
+    (tests/test_data_faults.py): the first 3 steps' batches are whole, each bad sample replaced where it stood and
+    listed, every other sample the clean data's, the same after a resume at the first batch with a bad one;
+    metrics.jsonl lists each bad sample of the 3 steps trained, as the loader does; past data.max_bad_samples the
+    loader stops naming the file. Returns the bad samples listed."""
+    import dataclasses
+
+    from convit_scale.data import DataError
+
+    got, want = _first_steps(broken), _first_steps(clean)
+    expected = [{"step": step, "epoch": 0, **r, "rank": 0} for step, (_, _, bad) in enumerate(got, 1) for r in bad]
+    assert expected, "the first 3 steps meet no truncated JPEG: truncate more"
+    for (x, y, bad), (x0, y0, _) in zip(got, want, strict=True):
+        assert x.shape == x0.shape and len(y) == len(y0) == 32
+        changed = [k for k in range(32) if not torch.equal(x[k], x0[k]) or y[k] != y0[k]]
+        assert len(changed) == len(bad)  # the bad samples' places only
+    k = next(n for n, (_, _, bad) in enumerate(got) if bad)
+    again = _first_steps(broken, len(got) - k, k)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got[k:], again))
+    r = tiny_recipe(tmp_path / "r.yaml", fmt, path, tmp_path / "out", schedule={"max_steps": 3},
+                    data={"val_path": "", **data})
+    assert train_here(r) == 0
+    logged = [{k: v for k, v in rec.items() if k != "kind"} for rec in records(tmp_path / "out", "bad_sample")]
+    assert logged == expected
+    broken.d = dataclasses.replace(broken.d, max_bad_samples=0)
+    with pytest.raises(DataError, match=rf": {len(got[k][2])} unreadable samples in epoch 0 on rank 0, more than "
+                                        r"data.max_bad_samples = 0 \(last: key ") as e:
+        epoch_batches(broken)
+    assert str(e.value).startswith(f"{path}/") and "\n" not in str(e.value)  # the shard or file named
+    return [r for _, _, bad in got for r in bad]
+
+
+def test_a_truncated_jpeg_in_timm_shards_is_replaced_listed_and_limited_as_in_prepared_shards(timm_shards, tmp_path):
+    path = tmp_path / "timm"
+    shutil.copytree(timm_shards, path)
+    cut = set()
+    for shard in sorted(path.glob("imagenet1k-train-*.tar")):
+        with tarfile.open(shard) as tar:
+            victims = [m.name for m in tar if m.name.endswith(".jpg")][::25]  # 12 of each 300
+        _rewrite_tar(shard, lambda name, data, v=set(victims): _truncated(data) if name in v else data)
+        cut.update({(str(shard), v.rsplit(".", 1)[0]) for v in victims})
+    bad = _assert_replaced_and_logged(_train_loader("wds", path, num_workers=0),
+                                      _train_loader("wds", timm_shards, num_workers=0), path, tmp_path, "wds")
+    assert all((r["shard"], r["key"]) in cut and r["reason"].startswith("undecodable image") for r in bad), bad
+
+
+def test_a_truncated_jpeg_in_an_ffcv_imagenet_file_is_replaced_listed_and_limited_as_in_prepared_files(
+        ffcv_imagenet, tmp_path):
+    """ffcv's writer stores about half of these images as JPEGs (compress probability 0.5): every 5th of those ends a
+    few bytes into its scan (an end-of-image marker written there: the file's layout is kept)."""
+    from convit_scale.ffcv_threads import importing_ffcv
+
+    with importing_ffcv():
+        from ffcv.reader import Reader
+
+    path = tmp_path / "ffcv"
+    shutil.copytree(ffcv_imagenet, path)
+    beton = path / "train_32_0.50_90.ffcv"
+    reader = Reader(str(beton))
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    sizes = {int(p): int(s) for p, s in zip(reader.alloc_table["ptr"], reader.alloc_table["size"])}
+    jpegs = [k for k in range(len(meta)) if int(meta["mode"][k]) == 0]
+    assert 300 < len(jpegs) < 700, len(jpegs)
+    cut = jpegs[::5]
+    with open(beton, "r+b") as f:
+        for k in cut:
+            ptr = int(meta["data_ptr"][k])
+            f.seek(ptr)
+            stored = f.read(sizes[ptr])
+            f.seek(ptr + len(_truncated(stored)))
+            f.write(b"\xff\xd9")
+    bad = _assert_replaced_and_logged(_train_loader("ffcv", path, num_workers=1),
+                                      _train_loader("ffcv", ffcv_imagenet, num_workers=1), path, tmp_path, "ffcv",
+                                      num_workers=1)
+    assert all(r["file"] == str(beton) and r["key"] in cut and r["reason"] == "undecodable JPEG (turbojpeg "
+               "refused it)" for r in bad), bad

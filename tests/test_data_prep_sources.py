@@ -117,3 +117,113 @@ def test_undescribed_shards_are_refused_with_the_command_that_describes_them(fm_
         shutil.copy(shard, bare / shard.name)
     with pytest.raises(PrepError, match=f"run `convit-scale prep index {bare}` first"):
         prepare(bare, tmp_path / "out", PrepOptions(fmt="ffcv", workers=2))
+
+
+def _write_timm_shards(root, tree):
+    """The tree as timm's ImageNet shards (tests/test_data_other_tools.py's ``timm_shards``): shuffled samples
+    KEY.jpg, KEY.cls and KEY.json in imagenet1k-{train,validation}-NNNN.tar, described by _info.json alone (no
+    manifest.json)."""
+    import webdataset as wds
+
+    info = {"name": "imagenet-1k", "splits": {}}
+    for split, folder in (("train", "train"), ("validation", "val")):
+        items = _items(tree, folder)
+        random.Random(0).shuffle(items)
+        with wds.ShardWriter(str(root / f"imagenet1k-{split}-%04d.tar"), maxcount=300, verbose=0) as sink:
+            for i, (path, label) in enumerate(items):
+                sink.write({"__key__": f"{split}_{i:08d}", "jpg": path.read_bytes(), "cls": label,
+                            "json": {"label": label, "filename": path.name}})
+        names = sorted(p.name for p in root.glob(f"imagenet1k-{split}-*.tar"))
+        info["splits"][split] = {"name": split, "num_samples": len(items), "filenames": names,
+                                 "shard_lengths": [min(300, len(items) - 300 * k) for k in range(len(names))]}
+    (root / "_info.json").write_text(json.dumps(info))
+    return root
+
+
+@pytest.fixture(scope="module")
+def timm_src(fm_tree, tmp_path_factory):
+    return _write_timm_shards(tmp_path_factory.mktemp("timm"), fm_tree)
+
+
+def _prep(fmt: str, src, out, *options: str) -> dict:
+    """`convit-scale prep FMT --src SRC --out OUT` (2 workers, shards of 96); the manifest it wrote."""
+    from convit_scale.cli import main
+
+    size = ("--shard-size", "96") if fmt == "wds" else ()
+    assert main(["prep", fmt, "--src", str(src), "--out", str(out), "--workers", "2", *size, *options]) == 0
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def from_timm(timm_src, tmp_path_factory):
+    """`prep wds` and `prep ffcv` of the timm-layout shards: {format: output folder}."""
+    out = tmp_path_factory.mktemp("from_timm")
+    for fmt in ("wds", "ffcv"):
+        _prep(fmt, timm_src, out / fmt)
+    return {fmt: out / fmt for fmt in ("wds", "ffcv")}
+
+
+def test_prep_from_timm_shards_described_by_their_info_json_alone(timm_src, from_timm, fm_tree, fm_wds, fm_ffcv):
+    """Shards in timm's layout with no manifest (only _info.json; `validation` serving as val) as --src of `prep wds`
+    and `prep ffcv`: every image and label of both splits, read where they lie (the source folder left as it was),
+    no class names made up."""
+    assert sorted(p.name for p in timm_src.iterdir() if not p.name.endswith(".tar")) == ["_info.json"]
+    for fmt, ours in (("wds", fm_wds), ("ffcv", fm_ffcv)):
+        m = json.loads((from_timm[fmt] / "manifest.json").read_text())
+        want = json.loads((ours / "manifest.json").read_text())
+        assert {s: m["splits"][s]["per_class"] for s in ("train", "val")} == {
+            s: want["splits"][s]["per_class"] for s in ("train", "val")}, fmt
+        assert m["classes"] == [] and not (from_timm[fmt] / "classes.txt").exists()
+        assert not m["splits"]["train"]["skipped"] and not m["splits"]["val"]["skipped"]
+        assert verify(from_timm[fmt]) == [], fmt
+    source = sorted(p.read_bytes() for p, _ in _items(fm_tree, "train") + _items(fm_tree, "val"))
+    assert sorted(_members(from_timm["wds"])) == source  # the JPEGs' own bytes, each once
+    assert sorted(p.name for p in timm_src.iterdir() if not p.name.endswith(".tar")) == ["_info.json"]
+    assert json.loads((from_timm["ffcv"] / "manifest.json").read_text())["splits"]["train"]["images"] == {
+        "kept": 1000, "raw": 0, "resized": 0}
+
+
+def test_prep_from_a_prep_index_out_folder_reads_the_shards_it_names(timm_src, from_timm, tmp_path):
+    """`prep index SHARDS --out DIR --label json:label` writes only a manifest in DIR (naming the shards' folder as its
+    root); DIR as --src of `prep wds` gives the very shards converting the shards' folder itself gives (the same
+    samples, labels and shuffle: the same bytes), and `prep ffcv` the same images per class."""
+    from convit_scale.cli import main
+
+    idx = tmp_path / "index"
+    assert main(["prep", "index", str(timm_src), "--out", str(idx), "--label", "json:label", "--workers", "2"]) == 0
+    assert sorted(p.name for p in idx.iterdir()) == ["manifest.json"]
+    wds = _prep("wds", idx, tmp_path / "wds")
+    direct = json.loads((from_timm["wds"] / "manifest.json").read_text())
+    for split in ("train", "val"):
+        assert {n: f["sha256"] for n, f in wds["splits"][split]["files"].items()} == {
+            n: f["sha256"] for n, f in direct["splits"][split]["files"].items()}, split
+    assert verify(tmp_path / "wds") == []
+    ffcv = _prep("ffcv", idx, tmp_path / "ffcv")
+    direct = json.loads((from_timm["ffcv"] / "manifest.json").read_text())
+    assert {s: ffcv["splits"][s]["per_class"] for s in ("train", "val")} == {
+        s: direct["splits"][s]["per_class"] for s in ("train", "val")}
+    assert verify(tmp_path / "ffcv") == []
+    assert not (timm_src / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["wds", "ffcv"])
+def test_an_interrupted_parquet_conversion_resumes_without_redoing_what_it_finished(parquet_src, tmp_path, fmt):
+    """As a tree's (tests/test_data_prep_prepare.py): outputs written before the interruption (recorded in
+    .state-SPLIT.json) are not written again, nor are images checked again (.check-SPLIT.json), a half-written temp
+    file never counts, and the resumed output is the uninterrupted one, file for file."""
+    out = tmp_path / fmt
+    opts = PrepOptions(fmt=fmt, shard_size=96, workers=2)
+    first = prepare(parquet_src, out, opts).to_dict()
+    outputs = sorted(out.glob("*.tar" if fmt == "wds" else "*.beton"))
+    assert len(outputs) == (11 + 3 if fmt == "wds" else 2)
+    lost = outputs[3] if fmt == "wds" else next(p for p in outputs if p.name.startswith("val"))
+    kept = {p.name: p.stat().st_mtime_ns for p in outputs + sorted(out.glob(".check-*.json")) if p != lost}
+    assert {".check-train.json", ".check-val.json", ".state-train.json", ".state-val.json"} <= set(
+        p.name for p in out.iterdir())
+    lost.unlink()  # as if interrupted before it was renamed into place
+    (out / "manifest.json").unlink()
+    (out / f"{lost.name}.tmp").write_bytes(b"half")
+    again = prepare(parquet_src, out, opts).to_dict()
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # not redone
+    assert lost.is_file() and again["splits"] == first["splits"]  # the same files, the same sha256
+    assert verify(out) == []

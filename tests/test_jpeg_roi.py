@@ -5,6 +5,7 @@ import io
 import logging
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +211,49 @@ def test_webdataset_train_samples_are_unchanged(on_device, monkeypatch):
     assert labels == ref_labels and [b["key"] for b in bad] == [b["key"] for b in ref_bad] == ["k4", "k10", "k16"]
     assert [b["reason"] for b in bad] == [b["reason"] for b in ref_bad]
     assert all(a.equal(b) for a, b in zip(images, ref_images, strict=True))
+
+
+def _sample_photographs() -> dict[str, Path]:
+    """scikit-learn's two photographs (china.jpg, flower.jpg, 640 x 427), read as files (importing sklearn.datasets
+    would pull in SciPy); a skip where scikit-learn (the `bench` extra) is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    photos = {p.name: p for p in Path(spec.submodule_search_locations[0], "datasets", "images").glob("*.jpg")} \
+        if spec else {}
+    if sorted(photos) != ["china.jpg", "flower.jpg"]:
+        pytest.skip("needs scikit-learn's sample photographs: pip install -e '.[bench]'")
+    return photos
+
+
+PHOTO_VARIANTS = {"as shipped": None, "4:2:0 q90": dict(quality=90, subsampling=2),
+                  "4:2:2 q75": dict(quality=75, subsampling=1), "4:4:4 q95": dict(quality=95, subsampling=0)}
+
+
+@pytest.mark.parametrize("variant", PHOTO_VARIANTS)
+@pytest.mark.parametrize("photo", ["china.jpg", "flower.jpg"])
+def test_real_photographs_box_is_the_whole_decode_cropped(photo, variant):
+    """Photographs, not synthetic images: the file as shipped, and re-encoded by PIL at each chroma subsampling,
+    whole (640 x 427: a height off the 16-row iMCU grid) and cut to an odd 499 x 333 off the grid in both
+    directions; every box of ``boxes`` (edges, corners, 1x1, off-grid offsets, random and RandomResizedCrop
+    boxes) is the whole decode's pixels, cropped."""
+    assert jpeg_roi.AVAILABLE, jpeg_roi.LIBRARY
+    shipped = _sample_photographs()[photo].read_bytes()
+    pixels = np.asarray(Image.open(io.BytesIO(shipped)).convert("RGB"))
+    save = PHOTO_VARIANTS[variant]
+    cases = [shipped] if save is None else [encode(np.ascontiguousarray(cut), **save)
+                                            for cut in (pixels, pixels[41:41 + 333, 77:77 + 499])]
+    before = jpeg_roi.counts()
+    tried = 0
+    for data in cases:
+        width, height = Image.open(io.BytesIO(data)).size
+        full = decode_rgb_array(data, height, width)
+        assert full is not None and np.array_equal(full, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+        rng = np.random.default_rng(height + width + len(variant))
+        sweep = boxes(height, width, rng, 60)
+        wrong = [(i, j, h, w) for i, j, h, w in sweep
+                 if not np.array_equal(jpeg_roi.decode_box(data, i, j, h, w), full[i:i + h, j:j + w])]
+        assert wrong == [], (photo, variant, height, width)
+        tried += len(sweep)
+    after = jpeg_roi.counts()
+    assert after["decoded"] - before["decoded"] == tried and after["refused"] == before["refused"]  # none refused
