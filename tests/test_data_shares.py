@@ -1,16 +1,15 @@
-"""Unequal shares of the canonical groups (data/geometry.py, data/steps.py): which groups each rank holds, the
-positions of its views, its micro-batches, and the loaders of every format on 3 ranks of a 4-group recipe, whose
-batches one after the other are the 1-rank run's, step by step and after a resume."""
+"""Unequal shares of the canonical groups (data/geometry.py): which groups each rank holds, the positions of its
+views, its micro-batches. Their assembly from one group a batch, and the loaders of every format on 3 ranks of a
+4-group recipe: tests/test_data_steps.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from convit_scale.config import DataConfig, group_shares, load_config, shares_note
-from convit_scale.data import LoaderSpec, build_loader
+from convit_scale.config import group_shares, load_config, shares_note
+from convit_scale.data import LoaderSpec
 from convit_scale.data.geometry import EpochGeometry, MicroPart
-from convit_scale.data.steps import StepBatches
 from convit_scale.train.distributed import check_world
 
 
@@ -69,32 +68,3 @@ def test_check_world_gives_the_busiest_ranks_micro_batch_and_every_ranks_accumul
     assert check_world(cfg, 24) == (16, 2)
     with pytest.raises(ValueError, match="33 ranks exceed the 32 canonical groups"):
         check_world(cfg, 33)
-
-
-@pytest.mark.parametrize("fmt", ["imagefolder", "wds", "ffcv"])
-def test_three_ranks_of_four_groups_read_the_one_rank_batches(fmt, fm_tree, fm_wds, fm_ffcv):
-    """Micro-batches of one group: 4 a step on 1 rank, 2 on each of 3 (rank 0 holds 2 groups, ranks 1 and 2 one and
-    a repeat of it with no ids); the ranks' ids one after the other are the 1-rank step's, also after a resume."""
-    path = {"imagefolder": fm_tree, "wds": fm_wds, "ffcv": fm_ffcv}[fmt]
-    d = DataConfig(format=fmt, train_path=str(path), val_path=str(path), num_workers=0, repeated_aug=1)
-
-    def steps(world: int, rank: int, start_step: int = 0, count: int = 2) -> list[list]:
-        loader = build_loader(d, _spec(world, rank, 8))
-        a = loader.spec.accum
-        batches = loader.epoch(0, start_batch=start_step * a)
-        out = []
-        for _ in range(count):
-            step = [next(batches) for _ in range(a)]
-            assert all(len(b.labels) == 8 for b in step)
-            out.append([i for b in step for i in b.ids])
-        batches.close()
-        return out
-
-    one = steps(1, 0)
-    three = [steps(3, r) for r in range(3)]
-    assert isinstance(build_loader(d, _spec(3, 1, 8)), StepBatches) and len(build_loader(d, _spec(3, 1, 8))) == \
-        len(build_loader(d, _spec(3, 0, 8)))
-    assert [len(rank[0]) for rank in three] == [16, 8, 8]
-    for s in range(2):
-        assert [i for rank in three for i in rank[s]] == one[s]
-    assert steps(3, 1, start_step=1, count=1)[0] == three[1][1]  # a resume at step 1
