@@ -5,21 +5,23 @@ The layers, from the ground up (a module imports modules of lower layers and of 
 
 1. files: atomic writes and publication (every layer writes files); jpeg_roi (the crop-region JPEG decoder's C
    library, which jpeg calls from compiled code and the WebDataset loader from Python);
-2. leaves that import nothing of the package but files: comm, slurm_scripts (the #SBATCH reader), hardware,
-   console, metrics, augment_policy, imagetree, splitmix and splitmix_numba (the counter-based generator of the
-   augmentation and of drop-path, in torch and in numba), ffcv_threads, jpeg (shared by the loaders and data_prep/),
-   gpu_wheels (the GPU box's wheel folder), streams (a shard's bytes from a file, a command or a URL);
+2. leaves that import nothing of the package but files: comm, faults (a run's unplanned failures, as its launcher
+   sees them), slurm_scripts (the #SBATCH reader), hardware, console, metrics, augment_policy, imagetree, splitmix and
+   splitmix_numba (the counter-based generator of the augmentation and of drop-path, in torch and in numba),
+   ffcv_threads, jpeg (shared by the loaders and data_prep/), gpu_wheels (the GPU box's wheel folder), streams (a
+   shard's bytes from a file, a command or a URL);
 3. manifest, the description of a prepared dataset (it reads other tools' FFCV files through ffcv_threads);
 4. the models (drop-path per sample draws from splitmix);
 5. config (the recipe);
 6. what reads a recipe section: data (loaders), parallel (strategies), data_prep (conversion), trained (a finished
    run's model);
-7. evaluation and the planner, over data and strategies;
+7. evaluation, the planner and cadence (the checkpoint interval), over data and strategies;
 8. analysis (which evaluates);
 9. train (which evaluates and analyses every epoch);
 10. bench, experiments and the rehearsal (which train);
 11. cli, the command.
-A new module is placed in one of them here, or this test fails.
+A new module is placed in one of them here, or this test fails; docs/architecture.md's layer table lists the same
+units in the same layers (``test_the_architecture_docs_layer_table_is_layers``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,27 @@ def _graph() -> dict[str, set[str]]:
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in _files() if m != PACKAGE_FACE and _unit(m) is None)
     assert not unplaced, "modules in no layer of tests/test_structure.py LAYERS: " + ", ".join(unplaced)
+
+
+def _doc_layers() -> dict[int, set[str]]:
+    """docs/architecture.md's layer table: the units of each layer, from its "folder / module" column (a bare name
+    is under convit_scale/, as the table writes them after the first)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text.split("\n## The layers\n", 1)[1].split("\n| --- |", 1)[1].split("\n\n", 1)[0]
+    layers: dict[int, set[str]] = {}
+    for row in table.strip().splitlines()[1:]:
+        layer, names = (c.strip() for c in row.strip("|").split("|")[:2])
+        for name in re.findall(r"`([^`]+)`", names):
+            name = name.rstrip("/").removesuffix(".py")
+            unit = "data_prep" if name == "data_prep" else "convit_scale." + name.removeprefix("convit_scale/")
+            layers.setdefault(int(layer), set()).add(unit.replace("/", "."))
+    return layers
+
+
+def test_the_architecture_docs_layer_table_is_layers():
+    """Every unit of LAYERS in the docs' table, in its layer, and nothing else there: with
+    ``test_every_module_has_a_layer``, every module of the package has its place in the table."""
+    assert _doc_layers() == {i + 1: set(units) for i, units in enumerate(LAYERS)}
 
 
 def test_imports_run_only_downwards():
