@@ -38,7 +38,7 @@ LONGEST_FIRST = ["test_slurm.py", "test_train_engine.py", "test_train_distill.py
                  "test_train_engine_faults.py", "test_slurm_site.py", "test_data_other_tools.py",
                  "test_train_unequal.py", "test_slurm_host_python.py", "test_experiments_demo.py",
                  "test_experiments_sample_efficiency.py", "test_planner.py", "test_bench_mfu.py",
-                 "test_planner_comm.py", "test_data_shares.py", "test_data.py", "test_data_augment_on.py",
+                 "test_planner_comm.py", "test_data_steps.py", "test_data.py", "test_data_augment_on.py",
                  "test_launchers.py", "test_data_ffcv.py", "test_data_ffcv_epoch.py", "test_data_faults.py"]
 
 

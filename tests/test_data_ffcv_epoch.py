@@ -28,10 +28,10 @@ def test_abandoned_epochs_leave_no_thread(fm_ffcv):
     assert threading.active_count() == baseline, threading.enumerate()
     first = loader.epoch(0)  # the loader's buffers are shared: a new epoch closes the one before, which says so
     next(first)
-    buffers = loader._ffcv_loader().epoch_buffers
+    buffers = loader.ffcv_loader().epoch_buffers
     second = loader.epoch(1)
     next(second)
-    assert loader._ffcv_loader().epoch_buffers is buffers  # kept from epoch to epoch, not allocated again
+    assert loader.ffcv_loader().epoch_buffers is buffers  # kept from epoch to epoch, not allocated again
     with pytest.raises(RuntimeError, match="closed when a new epoch of the same loader started"):
         next(first)
     second.close()

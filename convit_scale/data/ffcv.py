@@ -116,8 +116,6 @@ class FfcvLoader:
                 os_cache=True, pipelines=self._pipelines())
         return self._loader
 
-    _ffcv_loader = ffcv_loader  # the name tests/test_data_ffcv_epoch.py still calls
-
     def views(self, epoch: int, start_batch: int = 0) -> np.ndarray:
         """The ids ffcv passes through the pipeline for this rank's views from ``start_batch`` on: the file
         index in the low 32 bits, the view's augmentation seed (train: of its position in the epoch) in the high 32."""
