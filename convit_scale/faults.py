@@ -141,9 +141,17 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
     """The fault of an ended step: kind, rank, node, where, and the ranks that were only waiting."""
     by_rank = {b["rank"]: b for b in beats}
     failed = [b for b in beats if str(b.get("state", "")).startswith("failed")]
-    if hangs:
-        first = min(hangs, key=lambda h: h["time"])
-        culprit = (first.get("culprits") or [{}])[0]
+    on_lost = [b for b in beats if b.get("node") in lost]
+    if lost:  # first: the lost node's ranks also stop their heartbeats, which the watchdogs report as a hang
+        b = min(on_lost, key=lambda b: b["alive"]) if on_lost else {}
+        return {"kind": "node_lost", "rank": b.get("rank"), "node": b.get("node", lost[0]), "step": b.get("step"),
+                "phase": b.get("phase"), "ranks": sorted(x["rank"] for x in on_lost), "exit_status": rc}
+    first = min(hangs, key=lambda h: h["time"]) if hangs else {}
+    culprit = (first.get("culprits") or [{}])[0]
+    # A rank that died by a signal before anyone else failed went silent too, and a watchdog may have reported the
+    # silence before the launcher ended the step: the launcher's first failure decides that it was a crash.
+    died_first = bool(task and task.get("signal") and task.get("rank") == culprit.get("rank"))
+    if hangs and not died_first:
         beat = by_rank.get(culprit.get("rank"), {})
         children = [c for h in hangs for c in h.get("children", [])]
         stopped = [c for c in children if c.get("state") in ("T", "t", "D")]
@@ -160,11 +168,6 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
         b = oom[0] if oom else by_rank.get((task or {}).get("rank"), {})
         return {"kind": "oom", "rank": b.get("rank"), "node": b.get("node", (task or {}).get("node")),
                 "step": b.get("step"), "phase": b.get("phase"), "exit_status": rc, "how": b.get("state")}
-    on_lost = [b for b in beats if b.get("node") in lost]
-    if lost:
-        b = min(on_lost, key=lambda b: b["alive"]) if on_lost else {}
-        return {"kind": "node_lost", "rank": b.get("rank"), "node": b.get("node", lost[0]), "step": b.get("step"),
-                "phase": b.get("phase"), "ranks": sorted(x["rank"] for x in on_lost), "exit_status": rc}
     b = by_rank.get(task["rank"], {}) if task else (failed[0] if failed else {})
     task = task or {}
     return {"kind": "crash", "rank": task.get("rank", b.get("rank")), "node": task.get("node", b.get("node")),

@@ -101,3 +101,22 @@ def test_a_start_that_ended_unseen_is_recorded_as_a_lost_node(tmp_path, capsys):
     (rec,) = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
     assert (rec["kind"], rec["rank"], rec["node"]) == ("node_lost", 1, "n2")
     assert "fault: node lost of rank 1 on n2" in capsys.readouterr().err
+
+
+def test_the_launchers_first_failure_and_a_lost_node_come_before_a_watchdogs_report_of_silence():
+    """Rank 0's watchdog reports a rank whose heartbeat stopped; that rank may have been killed (srun's first failure
+    is its death by a signal: a crash) or stopped (srun's first failure is rank 0's exit after its report: a hang),
+    or its node may be gone (a lost node, whatever the watchdogs reported)."""
+    now = time.time()
+    silent = {"time": now, "step": 4, "phase": "checkpoint save", "since": now - 70, "rank": 0, "limit_s": 60,
+              "summary": "rank 1 on n2 stopped responding", "culprits": [{"rank": 1, "node": "n2"}],
+              "waiting": [{"rank": 0}], "stacks": "s.txt", "children": []}
+    beats = [_beat(0, 4, "checkpoint save", "n1"), _beat(1, 4, "checkpoint save", "n2", alive=now - 70)]
+    killed = faults.classify(137, beats, [silent], faults.first_failed_task(SRUN), SRUN, [])
+    assert (killed["kind"], killed["rank"], killed["signal"]) == ("crash", 1, 9)
+    stopped_log = "srun: error: n1: task 0: Exited with exit code 76\nsrun: error: n2: task 1: Killed\n"
+    stopped = faults.classify(76, beats, [silent], faults.first_failed_task(stopped_log), stopped_log, [])
+    assert (stopped["kind"], stopped["rank"], stopped["node"], stopped["phase"]) == ("hang", 1, "n2",
+                                                                                    "checkpoint save")
+    lost = faults.classify(137, beats, [silent], faults.first_failed_task(SRUN), SRUN, ["n2"])
+    assert (lost["kind"], lost["ranks"]) == ("node_lost", [1])

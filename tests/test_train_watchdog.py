@@ -9,7 +9,17 @@ import time
 from support import records, tiny_recipe, train_here
 
 from convit_scale.config import FaultConfig
-from convit_scale.train.watchdog import COMPUTE, DATA, EVAL, REDUCE, Timeouts, Watchdog, collective_failure, who_stopped
+from convit_scale.train.watchdog import (
+    COMPUTE,
+    DATA,
+    EVAL,
+    REDUCE,
+    SAVE,
+    Timeouts,
+    Watchdog,
+    collective_failure,
+    who_stopped,
+)
 
 
 def _beat(rank, step, phase, since, alive, node="n1", state="running"):
@@ -87,6 +97,36 @@ def test_a_rank_whose_watchdog_fires_gets_the_stacks_of_every_other_rank(tmp_pat
         worker.kill()
         worker.wait()
         r1.stop()
+        r0.stop()
+
+
+def test_rank_0_fires_for_a_rank_whose_heartbeat_stopped_in_a_long_phase(tmp_path):
+    """A rank stopped (SIGSTOP) during a checkpoint save: every rank sits in the long phase (limit 100 s here), where
+    the waiting ranks' collectives time out only after parallel.timeout_s, and the first rank to fail was a waiting
+    one (the 32-rank rehearsal recorded a crash of rank 1 after 195 s). Rank 0 reads the heartbeats: the stopped
+    rank's file is older than the step timeout (1 s here), whatever its phase, and rank 0's watchdog fires naming
+    it."""
+    slow = Timeouts(step=1.0, startup=100, long=100)
+    reports = []
+    fired = threading.Event()
+    r0 = Watchdog(tmp_path, 0, 2, slow, heartbeat_s=0.2, on_hang=lambda r: (reports.append(r), fired.set())).start()
+    r1 = Watchdog(tmp_path, 1, 2, slow, heartbeat_s=0.2, on_hang=lambda r: None).start()
+    for w in (r0, r1):
+        w.step_done(4)
+        w.mark(SAVE, 4)
+    try:
+        time.sleep(0.6)  # both heartbeats published while running
+        assert not fired.is_set()
+        r1._stop.set()  # rank 1 stopped: its thread writes no more heartbeats (and no last state)
+        r1._thread.join(5)
+        t0 = time.time()
+        assert fired.wait(10)
+        assert time.time() - t0 < 5  # the step timeout and a period, not the long phase's 100 s
+        report = reports[0]
+        assert [c["rank"] for c in report["culprits"]] == [1] and report["limit_s"] == 1.0
+        assert "no heartbeat from rank 1 on " in (tmp_path / "hangs" / "rank_0.stacks.txt").read_text()
+        assert "rank 1 on " in report["summary"] and "checkpoint save" in report["summary"]
+    finally:
         r0.stop()
 
 

@@ -11,7 +11,10 @@ others, and the Slurm launcher restarts the run from its newest checkpoint.
 Each rank's thread also publishes its progress every ``fault.heartbeat_s`` in ``run_dir/heartbeat/rank_<r>.json``
 (step, phase, since when, and ``alive``: when the thread last wrote), where the others read it without a collective.
 A rank whose file stopped being written (a stopped or dead process) stopped first; else the one that is not waiting
-in a collective (a loader that never delivers, a kernel that never ends); the others were only waiting for it.
+in a collective (a loader that never delivers, a kernel that never ends); the others were only waiting for it. Rank 0
+also reads the others' files each period once the first step has ended: a rank whose file is older than the step
+timeout is stopped, dead or cut off whatever its phase (a slow checkpoint keeps its file fresh), and rank 0's watchdog
+fires for it then, instead of waiting for a long phase's timeout.
 
 A rank whose watchdog fires, or whose collective fails (the process group's timeout, a peer that closed), first asks
 every rank of its launch for their stacks (``hangs/dump_request.json``, which each watchdog thread looks for every
@@ -175,11 +178,29 @@ class Watchdog:
             if now - last >= self.heartbeat_s:
                 self.publish()
                 last = now
+                peer = self._silent_peer(now)
+                if peer is not None:
+                    self.fire(now - peer["alive"], self.timeouts.step, peer)
+                    return
             self._answer_request()
             limit = self.timeouts.of(self.phase, self.started)
             if now - self.since > limit:
                 self.fire(now - self.since, limit)
                 return
+
+    def _silent_peer(self, now: float) -> dict | None:
+        """Rank 0 (once the first step has ended) reads the other ranks' heartbeats: one that has not written its
+        heartbeat for the step timeout is stopped, dead or cut off, in whatever phase it was. A heartbeat is written
+        by its rank's own thread whatever the rank's main thread is doing, so a slow checkpoint or evaluation keeps it
+        fresh; without this, a rank stopped in a long phase was found only by the others' collective timeout
+        (``parallel.timeout_s``) or their long-phase limit, minutes later, and the rank that failed first was one of
+        the waiting ranks. One reader keeps the load on a shared file system at one file per rank per period."""
+        if self.rank != 0 or not self.started or self.frozen_s:
+            return None
+        silent = [b for b in read_beats(self.out / "heartbeat", self.launch)
+                  if b["rank"] != self.rank and b.get("state") == "running" and b.get("started")
+                  and now - b["alive"] > self.timeouts.step]
+        return min(silent, key=lambda b: b["alive"]) if silent else None
 
     def request_stacks(self, reason: str) -> None:
         """Ask every rank of this launch to write its stacks now (their watchdog threads answer within a tick)."""
@@ -229,17 +250,18 @@ class Watchdog:
                                      for c in children) or "none") + "\n")
         return stacks
 
-    def fire(self, waited: float, limit: float) -> dict:
+    def fire(self, waited: float, limit: float, peer: dict | None = None) -> dict:
         """Stacks (this rank's, and every other rank's asked for), flight recorder, report, then ``on_hang``
-        (default: end the process with ``EXIT_HANG``)."""
+        (default: end the process with ``EXIT_HANG``). ``peer``: the heartbeat of another rank that stopped writing
+        it (``_silent_peer``), the one this report is about."""
         hangs = self.out / "hangs"
-        self.request_stacks(f"its watchdog fired: no progress for {waited:.0f} s in {where(self.step, self.phase)}")
+        what = (f"no heartbeat from {_where(peer)} for {waited:.0f} s (in {where(peer['step'], peer['phase'])})"
+                if peer else f"no progress for {waited:.0f} s in {where(self.step, self.phase)}")
+        self.request_stacks(f"its watchdog fired: {what}")
         children = child_states()  # now: once a rank ends, the job's kill continues (SIGCONT) stopped workers
-        stacks = self.write_stacks(f"no progress for {waited:.0f} s in {where(self.step, self.phase)} "
-                                   f"(limit {limit:g} s)", children)
-        print(f"[convit-scale] rank {self.rank} on {self.node}: no progress for {waited:.0f} s in "
-              f"{where(self.step, self.phase)}; every thread's stack (also in {stacks}):\n{stacks.read_text()}",
-              file=sys.stderr, flush=True)
+        stacks = self.write_stacks(f"{what} (limit {limit:g} s)", children)
+        print(f"[convit-scale] rank {self.rank} on {self.node}: {what}; every thread's stack (also in {stacks}):\n"
+              f"{stacks.read_text()}", file=sys.stderr, flush=True)
         trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self.backend == "nccl" else None
         self.publish("hung")
         time.sleep(min(2.0, self.heartbeat_s))  # the other ranks that fire now publish their state too
