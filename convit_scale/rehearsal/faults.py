@@ -26,6 +26,7 @@ from .cluster import LocalSlurm
 from .run import (
     ELASTIC_RTOL,
     REPO,
+    STEPS_PER_EPOCH,
     JobFailed,
     Refused,
     Watch,
@@ -47,6 +48,8 @@ KINDS = ("kill", "stop", "worker", "node")
 FAULT_SECTION = {"hang_timeout_s": 60, "heartbeat_s": 5, "collective_timeout_s": 120, "startup_timeout_s": 900,
                  "long_phase_timeout_s": 300}
 """The rehearsal's watchdog: a 60 s step timeout (detected well under 90 s), start-up room for 32 ranks on 2 cores."""
+WORKER_STEP_DELAY_S = 6
+"""Seconds added to each step of the loader worker's job: longer than a heartbeat period."""
 
 
 def live_ranks(out: Path, heartbeat_s: float) -> dict[int, dict]:
@@ -93,13 +96,26 @@ def _ready(watch, out: Path, world: int, after_step: int) -> bool:
             and all(b["started"] for b in beats.values()))
 
 
+def _epoch_begun(out: Path, world: int) -> bool:
+    """The last rank has made the first step of an epoch and its loader worker exists: the worker has made at most
+    the batches it prefetches (2), so the epoch's last batch is still to come from it. Stopped later, it would only
+    be left behind as the epoch ends (the DataLoader's shutdown gives up on it) and the next epoch's worker is new."""
+    beat = live_ranks(out, FAULT_SECTION["heartbeat_s"]).get(world - 1)
+    return bool(beat and beat["step"] % STEPS_PER_EPOCH == 1 and children(beat["pid"]))
+
+
 def run_fault(slurm, shape, kind: str, recipe: Path, data: Path, out: Path, launcher: str, after_step: int) -> dict:
-    """One job with one fault; returns its figures and what the run recorded."""
+    """One job with one fault; returns its figures and what the run recorded. The loader worker's stop needs the
+    victim at an epoch's first step, which a heartbeat (every 5 s) sees only when a step lasts longer: that job's
+    steps are slowed by WORKER_STEP_DELAY_S on every rank (the losses do not change)."""
 
     log = out.parent / f"{out.name}.out"
     min_nodes = shape.nodes - 1 if kind == "node" else None
-    watch = Watch(slurm, submit(slurm, shape, recipe, data, out, log, launcher, min_nodes), out, recipe)
+    env = {"CONVIT_SCALE_STEP_DELAY_S": str(WORKER_STEP_DELAY_S)} if kind == "worker" else None
+    watch = Watch(slurm, submit(slurm, shape, recipe, data, out, log, launcher, min_nodes, env), out, recipe)
     watch.wait(lambda: _ready(watch, out, shape.world, after_step), f"step {after_step} and a checkpoint", 1800)
+    if kind == "worker":
+        watch.wait(lambda: _epoch_begun(out, shape.world), "the first step of an epoch", 1800)
     t0 = time.time()
     hit = inject(kind, slurm, out, shape.world)
     try:

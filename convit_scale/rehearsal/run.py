@@ -262,13 +262,13 @@ class JobFailed(RuntimeError):
 
 
 def submit(slurm, shape: JobShape, recipe: Path, data: Path, out: Path, log: Path, launcher: str,
-           min_nodes: int | None = None) -> int:
+           min_nodes: int | None = None, extra_env: dict | None = None) -> int:
     """The script as an operator submits it; only --cpus-per-task differs (one CPU per rank here). ``min_nodes``:
     submitted with the node range --nodes=MIN-N (starts, and restarts after a requeue, on any count in it)."""
     nodes = [f"--nodes={min_nodes}-{shape.nodes}"] if min_nodes and min_nodes != shape.nodes else []
     env = {"RECIPE": str(recipe), "OUTPUT_DIR": str(out), "DATA_DIR": str(data), "LAUNCHER": launcher,
            "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1",  # every "node" is this host
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(extra_env or {})}
     return slurm.sbatch("--cpus-per-task=1", *nodes, f"--output={log}", str(shape.script), env=env, cwd=REPO)
 
 
