@@ -22,6 +22,10 @@ _terminal = {}
 def pytest_configure(config):
     # Taken before any test's output is captured: the real stderr, which xdist's workers share with the terminal.
     _terminal["fd"] = os.dup(2)
+    # The width of the terminal that started the suite is not the tests': a COLUMNS a shell or CI exports would fold
+    # the commands' prose (plan) and tables; a test that wants a width sets it (tests/test_console.py).
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 
 @pytest.hookimpl(hookwrapper=True)

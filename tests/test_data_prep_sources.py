@@ -225,5 +225,9 @@ def test_an_interrupted_parquet_conversion_resumes_without_redoing_what_it_finis
     (out / f"{lost.name}.tmp").write_bytes(b"half")
     again = prepare(parquet_src, out, opts).to_dict()
     assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # not redone
-    assert lost.is_file() and again["splits"] == first["splits"]  # the same files, the same sha256
-    assert verify(out) == []
+    assert lost.is_file() and verify(out) == []
+    if fmt == "ffcv":  # ffcv's writer places pages as its workers finish: the same samples, not the same bytes
+        for split in (first, again):
+            for rec in split["splits"]["val"]["files"].values():
+                rec.pop("sha256"), rec.pop("bytes", None)
+    assert again["splits"] == first["splits"]  # the same files (wds: the same sha256)

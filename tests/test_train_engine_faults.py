@@ -1,6 +1,7 @@
 """The engine under faults and as a GPU run would execute it: collectives per step, refusals before training,
 a crash between checkpoints, a preemption's SIGTERM to every process with loader workers."""
 
+import os
 import subprocess
 import time
 
@@ -57,12 +58,15 @@ def test_kill_between_checkpoints_then_resume_logs_every_step_once(fm_tree, tmp_
     and metrics.jsonl holds each step once."""
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, tmp_path / "out", data={"val_path": ""},
                     schedule={"max_steps": 200}, checkpoint={"every_steps": 2, "keep_last": 2})
+    # each step waits 1 s first (train/debug.py): the kill lands before step 4 and its checkpoint, which a step of
+    # milliseconds could reach between the poll that saw step 3 and the kill
     proc = subprocess.Popen([PY, "-m", "convit_scale.train", "--recipe", str(r)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "CONVIT_SCALE_STEP_DELAY_S": "1"})
     t0 = time.time()
     while not any(t["step"] >= 3 for t in records(tmp_path / "out")):
         assert proc.poll() is None and time.time() - t0 < 300
-        time.sleep(0.1)
+        time.sleep(0.05)
     proc.kill()
     proc.wait()
     logged = [t["step"] for t in records(tmp_path / "out")]
