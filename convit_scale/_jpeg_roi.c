@@ -45,9 +45,15 @@ static void roi_error_exit(j_common_ptr cinfo) {
 
 static void roi_output_message(j_common_ptr cinfo) { (void)cinfo; } /* silent: the caller reports failures */
 
-static uint64_t counts[2]; /* calls that decoded a region, calls that failed (-1) */
+static uint64_t own_counts[2]; /* calls that decoded a region, calls that failed (-1) */
+static uint64_t *counts = own_counts;
 
-/* The counters since the library was loaded: out[0] regions decoded, out[1] failures. */
+/* Count into `shared` (two uint64) from now on, or into the library's own counters again (NULL). A MAP_SHARED
+   mapping made before a process forks its loader workers collects theirs too: the children inherit the pointer and
+   the mapping, and the atomic adds are atomic across processes. */
+void roi_decode_count_into(uint64_t *shared) { counts = shared ? shared : own_counts; }
+
+/* The counters since the library was loaded (or counted into `shared`): out[0] regions decoded, out[1] failures. */
 void roi_decode_counts(uint64_t *out) {
   out[0] = __atomic_load_n(&counts[0], __ATOMIC_RELAXED);
   out[1] = __atomic_load_n(&counts[1], __ATOMIC_RELAXED);

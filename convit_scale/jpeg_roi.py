@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import logging
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,13 @@ if AVAILABLE:
                                ctypes.c_int, ctypes.c_int]
     _counts = _lib.roi_decode_counts
     _counts.restype, _counts.argtypes = None, [ctypes.c_void_p]
+    # The counters in a shared anonymous mapping: the loader workers this process forks count into it, so that
+    # ``counts`` here is the rank's (a worker started by spawn imports this module anew and counts apart). A library
+    # built before roi_decode_count_into counts per process.
+    _shared = mmap.mmap(-1, 16)  # MAP_SHARED | MAP_ANONYMOUS: inherited by a fork, written by both sides
+    if hasattr(_lib, "roi_decode_count_into"):
+        _lib.roi_decode_count_into.restype, _lib.roi_decode_count_into.argtypes = None, [ctypes.c_void_p]
+        _lib.roi_decode_count_into(ctypes.addressof(ctypes.c_uint64.from_buffer(_shared)))
 
 _warned = False
 
@@ -65,8 +73,9 @@ def warn_if_missing(where: str) -> bool:
 
 
 def counts() -> dict:
-    """This process's crop-region decodes since start: ``decoded`` boxes and ``refused`` JPEGs (then decoded whole
-    by the caller, or failed as the whole decode fails), and the library's path (or why there is none)."""
+    """This process's crop-region decodes since the module was imported, its forked loader workers' included:
+    ``decoded`` boxes and ``refused`` JPEGs (then decoded whole by the caller, or failed as the whole decode fails),
+    and the library's path (or why there is none)."""
     out = np.zeros(2, np.uint64)
     if AVAILABLE:
         _counts(out.ctypes.data)

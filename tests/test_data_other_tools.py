@@ -350,6 +350,11 @@ def _assert_replaced_and_logged(broken, clean, path, tmp_path, fmt: str, **data)
     assert train_here(r) == 0
     logged = [{k: v for k, v in rec.items() if k != "kind"} for rec in records(tmp_path / "out", "bad_sample")]
     assert logged == expected
+    # each truncated JPEG reached the crop-region decoder, which refused it (then the whole decode failed): counted
+    # in the training log, the loader workers' decodes included; the good ones decoded as boxes
+    last = records(tmp_path / "out", "train")[-1]
+    assert last["step"] == 3 and last["crop_decode_refused"] >= len(expected)
+    assert last["crop_boxes_decoded"] + last["crop_decode_refused"] >= 3 * 32
     broken.d = dataclasses.replace(broken.d, max_bad_samples=0)
     with pytest.raises(DataError, match=rf": {len(got[k][2])} unreadable samples in epoch 0 on rank 0, more than "
                                         r"data.max_bad_samples = 0 \(last: key ") as e:
@@ -367,8 +372,9 @@ def test_a_truncated_jpeg_in_timm_shards_is_replaced_listed_and_limited_as_in_pr
             victims = [m.name for m in tar if m.name.endswith(".jpg")][::25]  # 12 of each 300
         _rewrite_tar(shard, lambda name, data, v=set(victims): _truncated(data) if name in v else data)
         cut.update({(str(shard), v.rsplit(".", 1)[0]) for v in victims})
-    bad = _assert_replaced_and_logged(_train_loader("wds", path, num_workers=0),
-                                      _train_loader("wds", timm_shards, num_workers=0), path, tmp_path, "wds")
+    bad = _assert_replaced_and_logged(_train_loader("wds", path, num_workers=0),  # the run: a forked worker
+                                      _train_loader("wds", timm_shards, num_workers=0), path, tmp_path, "wds",
+                                      num_workers=1)
     assert all((r["shard"], r["key"]) in cut and r["reason"].startswith("undecodable image") for r in bad), bad
 
 

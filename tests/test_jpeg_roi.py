@@ -3,6 +3,7 @@
 import ctypes.util
 import io
 import logging
+import multiprocessing
 import shutil
 import subprocess
 from pathlib import Path
@@ -119,6 +120,27 @@ def test_refusals_match_the_whole_decode_and_are_counted():
     assert jpeg_roi.decode_box(data, 1, 2, 3, 4).shape == (3, 4, 3)
     after = jpeg_roi.counts()
     assert after["decoded"] - before["decoded"] == 1 and after["refused"] - before["refused"] == 3
+
+
+def _decode_in_a_child(data: bytes) -> None:
+    jpeg_roi.decode_box(data, 1, 2, 3, 4)
+    jpeg_roi.decode_box(data, 0, 0, 8, 8)
+    jpeg_roi.decode_box(b"not a jpeg", 0, 0, 1, 1)
+
+
+def test_a_forked_loader_workers_decodes_are_counted_in_its_parent():
+    """A DataLoader worker forked by a rank decodes the rank's train crops: the counters (boxes, refused) that the
+    training log reports must be the rank's, where the library's own counters were the worker's alone and the rank
+    reported none of them."""
+    assert jpeg_roi.AVAILABLE, jpeg_roi.LIBRARY
+    before = jpeg_roi.counts()
+    child = multiprocessing.get_context("fork").Process(target=_decode_in_a_child,
+                                                        args=(encode(photo_like(40, 52), quality=90),))
+    child.start()
+    child.join(60)
+    after = jpeg_roi.counts()
+    assert child.exitcode == 0
+    assert (after["decoded"] - before["decoded"], after["refused"] - before["refused"]) == (2, 1)
 
 
 # jpeg_CreateDecompress as a libjpeg of another ABI answers the library's call: it refuses the struct size, through

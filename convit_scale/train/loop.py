@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .. import comm, evaluation, faults
+from .. import comm, evaluation, faults, jpeg_roi
 from ..analysis.during_training import epoch_analysis
 from .checkpoint import save_best, save_checkpoint
 from .debug import checksum, state_digest
@@ -39,11 +39,17 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
         now = time.time()
         seconds = max(now - m.last_log_time, 1e-9)
         grad_norm = res.grad_norm if res.grad_norm is not None or res.bad else run.strategy.reported_grad_norm()
+        crops, (boxes0, refused0) = jpeg_roi.counts(), m.crop_counts_start
+        ranks = comm.all_gather_object((round(peak_memory_mb(run.ctx.device), 1), crops["decoded"] - boxes0,
+                                        crops["refused"] - refused0))
         rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "loss": None if res.bad else res.loss,
                "lr": res.lr, "images_per_s": m.images_since_log / seconds, "step_time_s": seconds / m.steps_since_log,
-               "grad_norm": grad_norm, "peak_mem_mb": comm.all_gather_object(round(peak_memory_mb(run.ctx.device), 1)),
+               "grad_norm": grad_norm, "peak_mem_mb": [r[0] for r in ranks],
                "base_mem_mb": m.base_mem_mb, "setup_peak_mem_mb": m.setup_peak_mem_mb,
-               "skipped_steps": state.skipped_steps, "state_mem_mb": m.state_mem_mb}
+               "skipped_steps": state.skipped_steps, "state_mem_mb": m.state_mem_mb,
+               # the train crops decoded as boxes, and the JPEGs the crop-region decoder refused (decoded whole, or
+               # replaced as bad samples), on all ranks since this start
+               "crop_boxes_decoded": sum(r[1] for r in ranks), "crop_decode_refused": sum(r[2] for r in ranks)}
         run.metrics.write(rec)
         m.last_log_time, m.images_since_log, m.steps_since_log = now, 0, 0
         progress.log_step(rec, run.total_steps)

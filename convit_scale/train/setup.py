@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .. import jpeg_roi
 from ..config import Config, model_options, shares_note
 from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device
@@ -186,6 +187,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
         check_teacher(teacher, cfg, val_loader, ctx)
     m = state.meters
     m.base_mem_mb, m.setup_peak_mem_mb = base_mem, round(peak_memory_mb(ctx.device), 1)
+    crops = jpeg_roi.counts()  # counted since the process began: a run in a process that ran others starts here
+    m.crop_counts_start = (crops["decoded"], crops["refused"])
     reset_peak_memory(ctx.device)
     if teacher is not None and cfg.log.debug_digest:
         m.teacher_checksum_start = checksum(teacher)

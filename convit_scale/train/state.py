@@ -21,6 +21,8 @@ class Meters:
     state_mem_mb: list | None = None
     """Live tensors after backward per rank, once (``log.debug_memory``)."""
     teacher_checksum_start: float | None = None
+    crop_counts_start: tuple[int, int] = (0, 0)
+    """This process's crop-region decodes (boxes, refused) before the run's first step (``jpeg_roi.counts``)."""
     final: dict = field(default_factory=dict)
     """The latest evaluation (with the best so far), then the end of the run."""
     last_save_time: float = field(default_factory=time.monotonic)
