@@ -1,11 +1,15 @@
 """DataLoader workers survive the stop signals a Slurm preemption sends to the whole job step, from the
-instant they are forked, and still obey their own main process's ``terminate()``."""
+instant they are forked, and still obey their own main process's ``terminate()``; a worker whose fork hangs in the
+child is replaced."""
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -13,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from convit_scale.config import DataConfig
-from convit_scale.data import LoaderSpec, build_loader
+from convit_scale.data import DataError, LoaderSpec, build_loader, workers
 from convit_scale.data.workers import iterate, loader_options, worker_init_fn
 
 _AT_BIRTH: list[int] = []  # signals a forked child sends itself on its first line, while the list is armed
@@ -24,7 +28,22 @@ def _signal_self_at_birth():
         os.kill(os.getpid(), sig)
 
 
+_HANG_NEXT_FORKS = [0]  # how many of the next children forked hang on their first line
+
+
+def _hang_at_birth():
+    """Where CPython < 3.12 (before its September 2024 fixes) can hang a child forked while another thread held the
+    runtime's thread-state lock (gh-112275): inside os.fork(), before any of torch's worker code."""
+    if _HANG_NEXT_FORKS[0] > 0:
+        time.sleep(3600)
+
+
+def _count_fork():
+    _HANG_NEXT_FORKS[0] = max(_HANG_NEXT_FORKS[0] - 1, 0)
+
+
 os.register_at_fork(after_in_child=_signal_self_at_birth)
+os.register_at_fork(after_in_child=_hang_at_birth, after_in_parent=_count_fork)
 
 
 def _loader(fmt, fm_tree, fm_wds):
@@ -128,3 +147,42 @@ def test_workers_are_forked_by_the_training_process_whatever_the_default_start_m
     forkserver = DataLoader(_WorkerState(), batch_size=None, num_workers=1, multiprocessing_context="forkserver")
     with pytest.raises(ValueError, match="forkserver"):
         next(iterate(forkserver))
+
+
+@pytest.fixture
+def quick_start_checks(monkeypatch):
+    """A 1 s wait for a worker's first line (30 s in training), and torch's 5 s join of a worker that does not
+    exit cut to 0.5 s."""
+    from torch.utils.data import _utils
+
+    monkeypatch.setattr(workers, "START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
+    yield
+    _HANG_NEXT_FORKS[0] = 0
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "wds"])
+def test_a_worker_whose_fork_hangs_is_killed_and_the_epochs_workers_started_again(fmt, fm_tree, fm_wds, caplog,
+                                                                                  quick_start_checks):
+    """Before: the main process waited for the hung worker's batch for ever (an epoch-end analysis of a 2-rank run,
+    until the collective timeout ended the job)."""
+    loader = _loader(fmt, fm_tree, fm_wds)
+    want = list(loader.epoch(0))
+    _HANG_NEXT_FORKS[0] = 1  # the first of the epoch's two workers
+    with caplog.at_level(logging.WARNING, logger="convit_scale.data.workers"):
+        got = list(loader.epoch(0))
+    assert _same(got, want)
+    (line,) = [r.getMessage() for r in caplog.records if "did not start" in r.getMessage()]
+    assert "did not start within 1 s" in line and "attempt 2 of 3" in line, line
+    pid = int(re.search(r"worker\(s\) (\d+) ", line).group(1))
+    assert not psutil.pid_exists(pid)  # killed and reaped
+
+
+def test_workers_that_never_start_end_the_epoch_with_a_data_error_and_leave_no_process(quick_start_checks):
+    loader = DataLoader(_WorkerState(), batch_size=None, **loader_options(1, 0, 0))
+    before = {p.pid for p in psutil.Process().children()}
+    _HANG_NEXT_FORKS[0] = 3
+    with pytest.raises(DataError, match=r"DataLoader workers did not start within 1 s, 3 times \(last: pid \d+\)"):
+        next(iterate(loader))
+    assert {p.pid for p in psutil.Process().children()} <= before
+    assert list(iterate(loader))  # the next epoch's workers start

@@ -18,17 +18,31 @@ them with the mask it was started with, maybe long before, and the server is its
 SIGTERM ends it, and the next epoch's workers cannot start. So the package's DataLoaders name their start
 method (``START_METHOD`` in ``loader_options``: fork, what torch's DataLoader has used on Linux until Python
 3.14; spawn where there is no fork), and ``iterate`` refuses a loader whose workers a forkserver would make.
+
+A forked worker can also hang before its first line: CPython before 3.12 (fixed in the 3.10 and 3.11 security
+releases of September 2024; 3.11.7 here) takes a lock in the child (the runtime's thread-state lock, gh-112275)
+before resetting it, and if another thread of the parent held it at the fork, the child waits for ever inside
+``os.fork()``, and its main process for the worker's first batch. Seen here: one epoch end of about 100 of a
+2-rank CPU run (the child's stack: ``PyOS_AfterFork_Child`` -> ``_PyThreadState_DeleteExcept`` -> a lock wait; the
+other rank waited in the next collective until its timeout). So ``iterate`` waits until each worker of the
+package's loaders has run its first line (``WorkerInit`` marks it in shared memory), and kills a worker that has
+not within ``START_TIMEOUT_S`` and starts the workers again, at most ``START_ATTEMPTS`` times.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
 import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import torch
+
+from ..manifest import DataError
+
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _IGNORED = (signal.SIGUSR1, signal.SIGINT)
@@ -44,9 +58,11 @@ def private_generator(seed: int, epoch: int) -> torch.Generator:
 
 def loader_options(num_workers: int, seed: int, epoch: int) -> dict:
     """What every DataLoader of the package passes: ``num_workers``, the private generator for the workers'
-    seeds, their signal set-up, and their start method (none without workers: torch refuses one there)."""
+    seeds, their signal set-up and start mark, and their start method (none without workers: torch refuses one
+    there)."""
     return {"num_workers": num_workers, "generator": private_generator(seed, epoch),
-            "worker_init_fn": worker_init_fn(), "multiprocessing_context": START_METHOD if num_workers else None}
+            "worker_init_fn": worker_init_fn(num_workers=num_workers),
+            "multiprocessing_context": START_METHOD if num_workers else None}
 
 
 def iterate(loader):
@@ -59,12 +75,40 @@ def iterate(loader):
         raise ValueError("DataLoader workers started by a forkserver are not born with the stop signals blocked, "
                          f"and Slurm's SIGTERM ends the server; give the DataLoader multiprocessing_context="
                          f"{START_METHOD!r} (convit_scale.data.workers.START_METHOD)")
+    init = loader.worker_init_fn if isinstance(loader.worker_init_fn, WorkerInit) else None
+    for attempt in range(1, START_ATTEMPTS + 1):
+        it, stuck = _start(loader, init)
+        if not stuck:
+            yield from it
+            return
+        pids = ", ".join(str(p.pid) for p in stuck)
+        if attempt < START_ATTEMPTS:
+            log.warning("DataLoader worker(s) %s did not start within %g s (a fork that hung in the child); killed, "
+                        "starting the workers again (attempt %d of %d)", pids, START_TIMEOUT_S, attempt + 1,
+                        START_ATTEMPTS)
+        del it  # torch ends the attempt's other workers (and no longer watches these: their kill is not an error)
+        for p in stuck:
+            p.kill()  # SIGTERM is blocked in them from birth
+            p.join(10)
+    raise DataError(f"DataLoader workers did not start within {START_TIMEOUT_S:g} s, {START_ATTEMPTS} times (last: "
+                    f"pid {pids}): their forks hang in the child; Python 3.12, or a 3.10/3.11 release from September "
+                    f"2024 on, has the interpreter's fix for one cause (gh-112275)")
+
+
+def _start(loader, init: "WorkerInit | None"):
+    """``iter(loader)``, its workers started with the stop signals blocked; and those of them that did not run
+    their first line within ``START_TIMEOUT_S`` (none for a DataLoader whose init is not a ``WorkerInit``)."""
+    known = {p.pid for p in multiprocessing.active_children()}
+    if init is not None:
+        init.started.zero_()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         it = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came meanwhile is handled now
-    yield from it
+    if init is None:
+        return it, []
+    return it, init.unstarted([p for p in multiprocessing.active_children() if p.pid not in known], START_TIMEOUT_S)
 
 
 def _exit_on_sigterm_from(main_pid: int) -> None:
@@ -85,8 +129,40 @@ def _worker_signals(then, main_pid: int, worker_id: int) -> None:
         then(worker_id)
 
 
-def worker_init_fn(then=None):
-    """A DataLoader ``worker_init_fn`` (then ``then``, if given) that sets the workers' signals as the module
-    says. Call it in the main process: it records that process's pid. A module-level partial: picklable for
-    forkserver and spawn."""
-    return functools.partial(_worker_signals, then, os.getpid())
+START_TIMEOUT_S = 30.0
+"""How long ``iterate`` waits for each worker's first line (a fork and torch's worker set-up take well under a
+second, even from a process of tens of GB)."""
+START_ATTEMPTS = 3
+
+
+class WorkerInit:
+    """A DataLoader ``worker_init_fn`` that marks the worker started (its pid, in memory shared with the main
+    process), sets its signals as the module says, then calls ``then`` (if given). Made in the main process, which
+    it records; picklable for spawn (the shared tensor travels as shared memory)."""
+
+    def __init__(self, then=None, num_workers: int = 1):
+        self.then, self.main_pid = then, os.getpid()
+        self.started = torch.zeros(max(num_workers, 1), dtype=torch.int64).share_memory_()
+
+    def __call__(self, worker_id: int) -> None:
+        self.started[worker_id] = os.getpid()
+        _worker_signals(self.then, self.main_pid, worker_id)
+
+    def unstarted(self, workers: list, timeout_s: float) -> list:
+        """Of ``workers`` (this attempt's new processes), those still alive and unmarked after ``timeout_s``; none
+        as soon as every one is marked, or when an unmarked one has died (torch reports that on the next batch)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            marked = set(self.started.tolist())
+            waiting = [p for p in workers if p.pid not in marked]
+            if not waiting or any(not p.is_alive() for p in waiting):
+                return []
+            if time.monotonic() >= deadline:
+                return waiting
+            time.sleep(0.005)
+
+
+def worker_init_fn(then=None, num_workers: int = 1) -> WorkerInit:
+    """The package's DataLoader ``worker_init_fn`` for up to ``num_workers`` workers (``WorkerInit``). Call it in
+    the main process."""
+    return WorkerInit(then, num_workers)
