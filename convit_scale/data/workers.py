@@ -108,7 +108,10 @@ def _start(loader, init: "WorkerInit | None"):
         signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came meanwhile is handled now
     if init is None:
         return it, []
-    return it, init.unstarted([p for p in multiprocessing.active_children() if p.pid not in known], START_TIMEOUT_S)
+    # torch's own list of the iterator's workers where it has one (a process another thread started meanwhile is
+    # not one of them), else this process's children that are new since the call
+    started = getattr(it, "_workers", None) or [p for p in multiprocessing.active_children() if p.pid not in known]
+    return it, init.unstarted(list(started), START_TIMEOUT_S)
 
 
 def _exit_on_sigterm_from(main_pid: int) -> None:
