@@ -21,6 +21,7 @@
    box decodes here where the whole decode fails (a prepared .beton holds no such JPEG: prep stores it raw). */
 
 #include <setjmp.h>
+#include <sys/mman.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,10 +49,22 @@ static void roi_output_message(j_common_ptr cinfo) { (void)cinfo; } /* silent: t
 static uint64_t own_counts[2]; /* calls that decoded a region, calls that failed (-1) */
 static uint64_t *counts = own_counts;
 
-/* Count into `shared` (two uint64) from now on, or into the library's own counters again (NULL). A MAP_SHARED
-   mapping made before a process forks its loader workers collects theirs too: the children inherit the pointer and
-   the mapping, and the atomic adds are atomic across processes. */
-void roi_decode_count_into(uint64_t *shared) { counts = shared ? shared : own_counts; }
+/* Count in a MAP_SHARED anonymous page from now on (the counts so far carried over), so that the loader workers this
+   process forks count into the same counters: a child inherits the pointer and the mapping, and the atomic adds are
+   atomic across processes. The page is never unmapped: a decoding thread may still count while the process exits.
+   Returns 0, or -1 (mmap failed: counting stays per process). */
+int roi_decode_share_counts(void) {
+  if (counts != own_counts)
+    return 0;
+  void *page = mmap(NULL, 2 * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED)
+    return -1;
+  uint64_t *shared = (uint64_t *)page;
+  shared[0] = __atomic_load_n(&own_counts[0], __ATOMIC_RELAXED);
+  shared[1] = __atomic_load_n(&own_counts[1], __ATOMIC_RELAXED);
+  __atomic_store_n(&counts, shared, __ATOMIC_RELEASE);
+  return 0;
+}
 
 /* The counters since the library was loaded (or counted into `shared`): out[0] regions decoded, out[1] failures. */
 void roi_decode_counts(uint64_t *out) {

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import logging
-import mmap
 from pathlib import Path
 
 import numpy as np
@@ -52,13 +51,16 @@ if AVAILABLE:
                                ctypes.c_int, ctypes.c_int]
     _counts = _lib.roi_decode_counts
     _counts.restype, _counts.argtypes = None, [ctypes.c_void_p]
-    # The counters in a shared anonymous mapping: the loader workers this process forks count into it, so that
-    # ``counts`` here is the rank's (a worker started by spawn imports this module anew and counts apart). A library
-    # built before roi_decode_count_into counts per process.
-    _shared = mmap.mmap(-1, 16)  # MAP_SHARED | MAP_ANONYMOUS: inherited by a fork, written by both sides
-    if hasattr(_lib, "roi_decode_count_into"):
-        _lib.roi_decode_count_into.restype, _lib.roi_decode_count_into.argtypes = None, [ctypes.c_void_p]
-        _lib.roi_decode_count_into(ctypes.addressof(ctypes.c_uint64.from_buffer(_shared)))
+    # The counters in a shared page (the library's roi_decode_share_counts): the loader workers this process forks
+    # count into it, so that ``counts`` here is the rank's (a worker started by spawn imports this module anew and
+    # counts apart).
+    SHARED_COUNTS = hasattr(_lib, "roi_decode_share_counts") and _lib.roi_decode_share_counts() == 0
+    if not SHARED_COUNTS:
+        log.warning("%s counts per process (built before its counters were shared, or mmap failed): the training "
+                    "log's crop counts leave out the loader workers' decodes; rebuild it with `make setup` or pip "
+                    "install -e .", LIBRARY)
+else:
+    SHARED_COUNTS = False
 
 _warned = False
 

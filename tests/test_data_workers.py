@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from convit_scale.config import DataConfig
-from convit_scale.data import DataError, LoaderSpec, build_loader, workers
+from convit_scale.data import LoaderSpec, build_loader, workers
 from convit_scale.data.workers import iterate, loader_options, worker_init_fn
+from convit_scale.manifest import DataError
 
 _AT_BIRTH: list[int] = []  # signals a forked child sends itself on its first line, while the list is armed
 
@@ -151,7 +152,7 @@ def test_workers_are_forked_by_the_training_process_whatever_the_default_start_m
 
 @pytest.fixture
 def quick_start_checks(monkeypatch):
-    """A 1 s wait for a worker's first line (30 s in training), and torch's 5 s join of a worker that does not
+    """A 1 s wait for a worker's first line (20 s in training), and torch's 5 s join of a worker that does not
     exit cut to 0.5 s."""
     from torch.utils.data import _utils
 
@@ -178,11 +179,23 @@ def test_a_worker_whose_fork_hangs_is_killed_and_the_epochs_workers_started_agai
     assert not psutil.pid_exists(pid)  # killed and reaped
 
 
-def test_workers_that_never_start_end_the_epoch_with_a_data_error_and_leave_no_process(quick_start_checks):
+def test_workers_that_never_start_end_the_epoch_with_an_error_and_leave_no_process(quick_start_checks):
+    """An error of the machine, not a DataError (which ends a Slurm job without a restart: bad input)."""
     loader = DataLoader(_WorkerState(), batch_size=None, **loader_options(1, 0, 0))
     before = {p.pid for p in psutil.Process().children()}
     _HANG_NEXT_FORKS[0] = 3
-    with pytest.raises(DataError, match=r"DataLoader workers did not start within 1 s, 3 times \(last: pid \d+\)"):
+    with pytest.raises(workers.WorkerStartError,
+                       match=r"DataLoader workers did not start within 1 s, 3 times \(last: pid \d+\)"):
         next(iterate(loader))
+    assert not issubclass(workers.WorkerStartError, DataError)
     assert {p.pid for p in psutil.Process().children()} <= before
     assert list(iterate(loader))  # the next epoch's workers start
+
+
+def test_a_worker_init_made_for_fewer_workers_is_refused_before_any_start():
+    """Its worker 1 would fail to mark itself (torch keeps an init's exception for the first batch) and be taken
+    for a hung fork."""
+    loader = DataLoader(_WorkerState(), batch_size=None, num_workers=2, worker_init_fn=worker_init_fn(),
+                        multiprocessing_context="fork")
+    with pytest.raises(ValueError, match=r"made for 1 worker\(s\), the DataLoader starts 2"):
+        next(iterate(loader))

@@ -15,9 +15,9 @@ def test_a_step_line_says_step_loss_lr_speed_eta_and_memory():
     long = step_line({**REC, "loss": None, "grad_norm": None, "peak_mem_mb": []}, 100 + 4 * 3600 * 4 + 8)
     assert "loss skipped (non-finite)" in long and "eta 4h00m" in long and "mem 0 MB" in long
     assert "grad norm" not in long
-    assert "decoded whole" not in step_line({**REC, "crop_boxes_decoded": 5000, "crop_decode_refused": 0}, 1000)
+    assert "crop decoder" not in step_line({**REC, "crop_boxes_decoded": 5000, "crop_decode_refused": 0}, 1000)
     assert step_line({**REC, "crop_decode_refused": 3}, 1000).endswith(
-        "| grad norm 1.23 | 3 JPEG(s) decoded whole (crop decoder refused)")
+        "| grad norm 1.23 | crop decoder refused 3 JPEG(s) since the start")
 
 
 def test_lines_on_rank_zero_off_a_terminal_and_nothing_elsewhere(capsys):

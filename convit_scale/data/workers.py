@@ -26,7 +26,8 @@ before resetting it, and if another thread of the parent held it at the fork, th
 2-rank CPU run (the child's stack: ``PyOS_AfterFork_Child`` -> ``_PyThreadState_DeleteExcept`` -> a lock wait; the
 other rank waited in the next collective until its timeout). So ``iterate`` waits until each worker of the
 package's loaders has run its first line (``WorkerInit`` marks it in shared memory), and kills a worker that has
-not within ``START_TIMEOUT_S`` and starts the workers again, at most ``START_ATTEMPTS`` times.
+not within ``START_TIMEOUT_S`` and starts the workers again, at most ``START_ATTEMPTS`` times (then a
+``WorkerStartError``: the rank ends as a crash, which the Slurm launcher restarts).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ import threading
 import time
 
 import torch
-
-from ..manifest import DataError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ def iterate(loader):
         raise ValueError("DataLoader workers started by a forkserver are not born with the stop signals blocked, "
                          f"and Slurm's SIGTERM ends the server; give the DataLoader multiprocessing_context="
                          f"{START_METHOD!r} (convit_scale.data.workers.START_METHOD)")
-    init = loader.worker_init_fn if isinstance(loader.worker_init_fn, WorkerInit) else None
+    init = _start_marks(loader, ctx.get_start_method())
     for attempt in range(1, START_ATTEMPTS + 1):
         it, stuck = _start(loader, init)
         if not stuck:
@@ -90,9 +89,27 @@ def iterate(loader):
         for p in stuck:
             p.kill()  # SIGTERM is blocked in them from birth
             p.join(10)
-    raise DataError(f"DataLoader workers did not start within {START_TIMEOUT_S:g} s, {START_ATTEMPTS} times (last: "
-                    f"pid {pids}): their forks hang in the child; Python 3.12, or a 3.10/3.11 release from September "
-                    f"2024 on, has the interpreter's fix for one cause (gh-112275)")
+    raise WorkerStartError(f"DataLoader workers did not start within {START_TIMEOUT_S:g} s, {START_ATTEMPTS} times "
+                           f"(last: pid {pids}): their forks hang in the child; Python 3.12, or a 3.10/3.11 release "
+                           f"from September 2024 on, has the interpreter's fix for one cause (gh-112275)")
+
+
+class WorkerStartError(RuntimeError):
+    """The workers of an epoch did not start, ``START_ATTEMPTS`` times: a fault of the machine, not of the data (the
+    rank ends as a crash, which the Slurm launcher restarts from the newest checkpoint)."""
+
+
+def _start_marks(loader, method: str) -> "WorkerInit | None":
+    """The loader's ``WorkerInit`` when its workers' first lines are to be waited for: forked ones (a spawned
+    worker is a new interpreter: no lock of the parent's threads, and its imports take seconds), started anew each
+    epoch (persistent workers run their init once)."""
+    init = loader.worker_init_fn
+    if not isinstance(init, WorkerInit) or method != "fork" or loader.persistent_workers:
+        return None
+    if init.started.numel() < loader.num_workers:
+        raise ValueError(f"worker_init_fn was made for {init.started.numel()} worker(s), the DataLoader starts "
+                         f"{loader.num_workers}: make it with worker_init_fn(num_workers={loader.num_workers})")
+    return init
 
 
 def _start(loader, init: "WorkerInit | None"):
@@ -132,9 +149,10 @@ def _worker_signals(then, main_pid: int, worker_id: int) -> None:
         then(worker_id)
 
 
-START_TIMEOUT_S = 30.0
-"""How long ``iterate`` waits for each worker's first line (a fork and torch's worker set-up take well under a
-second, even from a process of tens of GB)."""
+START_TIMEOUT_S = 20.0
+"""How long ``iterate`` waits for each forked worker's first line (a fork and torch's worker set-up take well under
+a second, even from a process of tens of GB). A failed attempt costs this and torch's shutdown of the stuck worker
+(two 5 s joins): the 3 attempts end within the watchdog's step timeout (``fault.hang_timeout_s``, 120 s)."""
 START_ATTEMPTS = 3
 
 
@@ -156,16 +174,17 @@ class WorkerInit:
         as soon as every one is marked, or when an unmarked one has died (torch reports that on the next batch)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            marked = set(self.started.tolist())
+            late = time.monotonic() >= deadline
+            marked = set(self.started.tolist())  # read after the clock: a mark made at the deadline counts
             waiting = [p for p in workers if p.pid not in marked]
             if not waiting or any(not p.is_alive() for p in waiting):
                 return []
-            if time.monotonic() >= deadline:
+            if late:
                 return waiting
             time.sleep(0.005)
 
 
 def worker_init_fn(then=None, num_workers: int = 1) -> WorkerInit:
-    """The package's DataLoader ``worker_init_fn`` for up to ``num_workers`` workers (``WorkerInit``). Call it in
-    the main process."""
+    """The package's DataLoader ``worker_init_fn`` for up to ``num_workers`` workers (``WorkerInit``; ``iterate``
+    refuses a loader of more). Call it in the main process."""
     return WorkerInit(then, num_workers)

@@ -23,7 +23,7 @@ def step_line(rec: dict, total_steps: int) -> str:
     mem = max(rec["peak_mem_mb"]) if rec.get("peak_mem_mb") else 0.0
     norm = "" if rec.get("grad_norm") is None else f" | grad norm {rec['grad_norm']:.3g}"
     refused = rec.get("crop_decode_refused") or 0
-    whole = f" | {refused} JPEG(s) decoded whole (crop decoder refused)" if refused else ""
+    whole = f" | crop decoder refused {refused} JPEG(s) since the start" if refused else ""
     return (f"[convit-scale] step {rec['step']}/{total_steps} | epoch {rec['epoch']} | loss {loss} | lr "
             f"{rec['lr']:.3e} | {rec['images_per_s']:.0f} img/s | {rec['step_time_s']:.3f} s/step | eta {eta} | "
             f"mem {mem:.0f} MB{norm}{whole}")
