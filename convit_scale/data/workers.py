@@ -115,8 +115,8 @@ def _start_marks(loader, method: str) -> "WorkerInit | None":
 def _start(loader, init: "WorkerInit | None"):
     """``iter(loader)``, its workers started with the stop signals blocked; and those of them that did not run
     their first line within ``START_TIMEOUT_S`` (none for a DataLoader whose init is not a ``WorkerInit``)."""
-    known = {p.pid for p in multiprocessing.active_children()}
     if init is not None:
+        known = {p.pid for p in multiprocessing.active_children()}
         init.started.zero_()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
