@@ -52,11 +52,11 @@ test: setup cpu-adam
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
-# The 4 x 8 rehearsal (convit_scale/rehearsal/run.py): slurm/convit_base_plus.sh's job shape, 32 ranks on a local Slurm cluster of 4
+# The 4 x 8 rehearsal (convit_scale/rehearsal/run.py): slurm/convit_b_plus.sh's job shape, 32 ranks on a local Slurm cluster of 4
 # nodes of 8 CPUs on this machine, interrupted by the pre-timeout signal, requeued onto 3 of its 4 nodes (one drained)
 # and compared with an uninterrupted run; goodput figures printed and written to runs/rehearsal/rehearsal.json.
 # About 10-11 minutes on 2 idle cores (three starts of 32 interpreters) and 14 GB of memory: not part of `make test`.
-# REHEARSAL_ARGS: e.g. "--script slurm/deit_base_plus.sh", "--requeue-nodes 4" or "parallel.hsdp_replicas=1".
+# REHEARSAL_ARGS: e.g. "--script slurm/deit_b_plus.sh", "--requeue-nodes 4" or "parallel.hsdp_replicas=1".
 REHEARSAL_ARGS ?=
 # REHEARSAL_ARGS="--fault all" (or kill, stop, worker, node): unplanned failures instead (docs/failures.md).
 rehearsal: setup

@@ -3,7 +3,7 @@
 # saw them (its crop ratio and interpolation), written as JSON. Submit from the repository root:
 #   CHECKPOINT=runs/table1/convit_base_plus:best DATA_DIR=/data/imagenet-ffcv sbatch slurm/eval.sh
 # or chained to the training job (it starts once training has ended well):
-#   job=$(DATA_DIR=/data/imagenet-ffcv sbatch --parsable slurm/convit_base_plus.sh)
+#   job=$(DATA_DIR=/data/imagenet-ffcv sbatch --parsable slurm/convit_b_plus.sh)
 #   CHECKPOINT=runs/table1/convit_base_plus:best DATA_DIR=/data/imagenet-ffcv sbatch --dependency=afterok:$job slurm/eval.sh
 # Inputs (environment): CHECKPOINT (a run folder: its newest checkpoint; RUN:latest; RUN:best; a checkpoint folder;
 # an exported .safetensors; published weights with EVAL_ARGS="--model NAME"), DATA_DIR (a prepared folder or an

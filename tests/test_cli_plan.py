@@ -23,8 +23,8 @@ def one_cpu(monkeypatch):
 
 def test_cpus_per_gpu_come_from_the_job_never_from_this_machine(one_cpu, monkeypatch):
     job = slurm_job_of("recipes/table1/convit_tiny.yaml")
-    assert job.path.name == "convit_tiny.sh" and (job.nodes, job.gpus_per_node, job.cpus_per_task) == (1, 8, 10)
-    assert cpus_per_gpu(None, job) == (10.0, "--cpus-per-task of convit_tiny.sh")
+    assert job.path.name == "convit_ti.sh" and (job.nodes, job.gpus_per_node, job.cpus_per_task) == (1, 8, 10)
+    assert cpus_per_gpu(None, job) == (10.0, "--cpus-per-task of convit_ti.sh")
     assert cpus_per_gpu(3.0, job) == (3.0, "--cpus-per-gpu")
     assert cpus_per_gpu(None, slurm_job_of("recipes/cpu/demo.yaml")) == (None, "")  # no script runs it: no guess
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")  # inside the job's allocation
@@ -50,12 +50,12 @@ def test_bad_slurm_cpus_and_flags_are_refused(monkeypatch, capsys):
 
 
 def test_plan_of_the_4x8_job(one_cpu, capsys):
-    """ConViT-B+ as `sbatch slurm/convit_base_plus.sh` runs it: 4 x 8 GPUs, 10 CPU cores each, whatever this machine
+    """ConViT-B+ as `sbatch slurm/convit_b_plus.sh` runs it: 4 x 8 GPUs, 10 CPU cores each, whatever this machine
     has; the recipe's layout is the recommended one, and the layout resharding after forward is slower."""
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--gpu", "h200-141gb"]) == 0
     out = capsys.readouterr().out
-    assert "the job's shape from slurm/convit_base_plus.sh: 4 node(s) x 8 GPUs" in out
-    assert "10 CPU cores per GPU (--cpus-per-task of convit_base_plus.sh)" in out
+    assert "the job's shape from slurm/convit_b_plus.sh: 4 node(s) x 8 GPUs" in out
+    assert "10 CPU cores per GPU (--cpus-per-task of convit_b_plus.sh)" in out
     for layout in ("ddp", "fsdp2", "fsdp2 no-reshard (recipe)", "hsdp 4x8", "hsdp 4x8 no-reshard", "zero3"):
         assert f"│ {layout} " in out
     assert "recommended: fsdp2 no-reshard, the recipe's layout:" in out
@@ -119,4 +119,4 @@ def test_slurm_jobs_table_from_any_folder(tmp_path, monkeypatch, capsys):
     """Before: the scripts' recipes were read relative to the current folder, so only the checkout's root worked."""
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--slurm-jobs", "--gpu", "h200-141gb"]) == 0
-    assert "convit_base_plus.sh" in capsys.readouterr().out
+    assert "convit_b_plus.sh" in capsys.readouterr().out

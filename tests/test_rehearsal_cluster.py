@@ -19,7 +19,7 @@ def test_four_nodes_of_eight_run_the_scripts_32_tasks_in_node_blocks(tmp_path):
         pytest.fail(f"cannot start the local Slurm cluster: {why}")
     slurm = LocalSlurm(tmp_path / "slurm", nodes=4, cpus=8, gpus=8).start()
     try:
-        sbatch = "".join(line + "\n" for line in (REPO / "slurm" / "convit_base_plus.sh").read_text().splitlines()
+        sbatch = "".join(line + "\n" for line in (REPO / "slurm" / "convit_b_plus.sh").read_text().splitlines()
                          if line.startswith("#SBATCH") and "--output" not in line)
         job_file = tmp_path / "job.sh"
         job_file.write_text("#!/bin/bash\n" + sbatch + "srun --cpus-per-task=1 bash -c 'echo $SLURM_PROCID "

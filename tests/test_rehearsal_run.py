@@ -14,7 +14,7 @@ from support import REPO
 from convit_scale.rehearsal.run import JobShape, Watch, checks, figures, main, read_script
 
 
-@pytest.mark.parametrize("script, nodes", [("convit_base_plus.sh", 4), ("deit_base_plus.sh", 4), ("convit_base.sh", 2)])
+@pytest.mark.parametrize("script, nodes", [("convit_b_plus.sh", 4), ("deit_b_plus.sh", 4), ("convit_b.sh", 2)])
 def test_the_job_shape_is_the_scripts_own(script, nodes):
     shape = read_script(REPO / "slurm" / script)
     assert (shape.nodes, shape.tasks_per_node, shape.world) == (nodes, 8, nodes * 8)
@@ -71,7 +71,7 @@ def _job(out, losses, restarts, ranks, stop_at=None, lost=0, world=4, world_afte
 
 def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
     """2 nodes x 2 ranks, DDP, 8 steps, stopped after step 3: every check holds, and each fault fails its check."""
-    shape = JobShape(REPO / "slurm" / "convit_base_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
+    shape = JobShape(REPO / "slurm" / "convit_b_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
     blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
     losses = [2.3 - 0.01 * i for i in range(8)]
     files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
@@ -109,7 +109,7 @@ def test_checks_hold_for_a_clean_requeue_and_catch_each_fault(tmp_path):
 def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
     """2 nodes x 2 ranks requeued onto 1 node: the losses after the stop may differ by the reduction order (1e-5
     relative), not before it and not more; the steps after the requeue have 2 ranks, and the log says so."""
-    shape = JobShape(REPO / "slurm" / "convit_base_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
+    shape = JobShape(REPO / "slurm" / "convit_b_plus.sh", "recipes/table1/convit_base_plus.yaml", 2, 2, "USR1@300")
     blocks = [(r, r % 2, r // 2, f"n{r // 2 + 1}") for r in range(4)]
     losses = [2.3 - 0.01 * i for i in range(8)]
     files = [f"rng_rank{r}.pt" for r in range(4)] + [f"dcp/__{r}_0.distcp" for r in range(4)]
@@ -139,13 +139,13 @@ def test_checks_of_a_requeue_onto_fewer_nodes(tmp_path):
 
 
 def test_the_recipe_is_the_scripts_own_batch_and_groups(tmp_path):
-    """The rehearsal's recipe for slurm/convit_base_plus.sh: ConViT-B+'s global batch 512 in 32 canonical groups, on
+    """The rehearsal's recipe for slurm/convit_b_plus.sh: ConViT-B+'s global batch 512 in 32 canonical groups, on
     its 32 ranks and on 24 after losing a node (unequal shares: 8 ranks x 2 groups, 16 x 1); 4 steps an epoch of
     training data; FSDP2 as HSDP with one replica per node at each start."""
     from convit_scale.config import load_config
     from convit_scale.rehearsal.run import layout, read_script, recipe_batch, train_per_class, write_recipe
 
-    shape = read_script(REPO / "slurm" / "convit_base_plus.sh")
+    shape = read_script(REPO / "slurm" / "convit_b_plus.sh")
     batch = recipe_batch(shape)
     assert batch == (512, 32) and train_per_class(512) * 10 // 512 == 4
     r = write_recipe(tmp_path / "r.yaml", tmp_path / "data", tmp_path / "out", layout(shape, []), 8, batch)

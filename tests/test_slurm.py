@@ -46,7 +46,7 @@ def test_two_node_fsdp2_job_trains_and_evaluates(slurm, fm_wds, tmp_path):
     out = tmp_path / "run"
     recipe = tiny_recipe(tmp_path / "r.yaml", "wds", fm_wds, out, schedule={"max_steps": 4})
     log = tmp_path / "job.out"
-    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
+    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
                        env=_env(recipe, out, fm_wds, LAUNCHER="torchrun"), cwd=REPO)
     info = slurm.wait_job(job, timeout=300)
     text = log.read_text()
@@ -70,7 +70,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 60},
                          checkpoint={"keep_last": 2})
     log = tmp_path / "job.out"
-    script = REPO / "slurm" / "convit_base_plus.sh"
+    script = REPO / "slurm" / "convit_b_plus.sh"
     assert "#SBATCH --signal=USR1@" in script.read_text() and "#SBATCH --requeue" in script.read_text()
     elastic = launcher == "srun"
     # --ntasks=2 with one task per node: the first start takes both nodes (of a range, Slurm may give the fewest)
@@ -120,7 +120,7 @@ def test_sigterm_to_a_job_whose_ranks_have_loader_workers_saves_requeues_and_res
     recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"num_workers": 2},
                          schedule={"epochs": 20, "max_steps": 40})
     log = tmp_path / "job.out"
-    job = slurm.sbatch("--nodes=1", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
+    job = slurm.sbatch("--nodes=1", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
                        env=_env(recipe, out, fm_tree), cwd=REPO)
     _wait(lambda: len(records(out)) >= 3, "training steps", log, 240)
     slurm.run("scancel", "--signal=TERM", str(job))
@@ -141,7 +141,7 @@ def test_stale_marker_does_not_requeue_a_job_that_fails_at_start_up(slurm, fm_tr
     (out / "STOPPED_FOR_REQUEUE").write_text("checkpoints/step_000000002")
     log = tmp_path / "job.out"
     job = slurm.sbatch("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=2", "--time=15",
-                       f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
+                       f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
                        env=_env(recipe, out, fm_tree, OVERRIDES="checkpoint.resume=/nonexistent"), cwd=REPO)
     info = slurm.wait_job(job, timeout=240)
     text = log.read_text()
@@ -161,7 +161,7 @@ def test_requeue_cap_fails_a_job_that_keeps_stopping(slurm, fm_tree, tmp_path):
     recipe = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, schedule={"epochs": 20, "max_steps": 300})
     log = tmp_path / "job.out"
     job = slurm.sbatch("--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=1", "--cpus-per-task=1", "--time=15",
-                       f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
+                       f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
                        env=_env(recipe, out, fm_tree, LAUNCHER="torchrun", MAX_REQUEUES="1"), cwd=REPO)
     for run in (1, 2):
         last = max((r["step"] for r in records(out)), default=0)
@@ -223,7 +223,7 @@ def test_a_crash_a_hang_and_a_stopped_loader_worker_recover_in_the_allocation_an
                          schedule={"epochs": 20, "max_steps": 80}, checkpoint={"every_steps": 3, "keep_last": 2},
                          fault=FAST_FAULTS)
     log = tmp_path / "job.out"
-    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_tiny.sh"),
+    job = slurm.sbatch("--nodes=2", *CPU_SBATCH, f"--output={log}", str(REPO / "slurm" / "convit_ti.sh"),
                        env=_env(recipe, out, fm_tree, CONVIT_SCALE_KILL_AT_STEP="40:1", **SLOW_STEPS), cwd=REPO)
     faults = out / "faults.jsonl"
     injected = []
@@ -280,7 +280,7 @@ def test_a_lost_node_requeues_the_job_onto_the_nodes_left(slurm, fm_tree, tmp_pa
                          fault=FAST_FAULTS)
     log = tmp_path / "job.out"
     job = slurm.sbatch("--nodes=1-2", "--ntasks=2", *CPU_SBATCH, f"--output={log}",
-                       str(REPO / "slurm" / "convit_base_plus.sh"), env=_env(recipe, out, fm_tree, **SLOW_STEPS),
+                       str(REPO / "slurm" / "convit_b_plus.sh"), env=_env(recipe, out, fm_tree, **SLOW_STEPS),
                        cwd=REPO)
     _wait(lambda: _training_past_a_new_checkpoint(out), "training past a checkpoint", log, 300)
     lost = next(b for b in live_ranks(out, FAST_FAULTS["heartbeat_s"]).values() if b["node"] == slurm.nodes[1])

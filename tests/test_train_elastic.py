@@ -201,7 +201,7 @@ def test_a_world_size_above_the_canonical_groups_is_refused_before_any_rank(fm_t
 
 
 def test_a_slurm_job_given_more_ranks_than_canonical_groups_is_refused_before_srun(tmp_path):
-    """``sbatch --nodes=2-5 slurm/convit_base_plus.sh`` started on 5 nodes of 8: 40 ranks exceed ConViT-B+'s 32
+    """``sbatch --nodes=2-5 slurm/convit_b_plus.sh`` started on 5 nodes of 8: 40 ranks exceed ConViT-B+'s 32
     canonical groups; the batch shell says so in one line and exits 2 before any srun (no Slurm needed to see it).
     3 of its 4 nodes (24 ranks) are allowed: unequal shares (tests/test_train_unequal.py)."""
     env = {**os.environ, "RECIPE": str(REPO / "recipes/table1/convit_base_plus.yaml"),

@@ -1,10 +1,10 @@
 """The rehearsal: a Table 1 Slurm script's multi-node job at its real rank count, end to end, on this machine.
 
-    python -m convit_scale.rehearsal [--script slurm/convit_base_plus.sh] [--out runs/rehearsal] [overrides ...]
+    python -m convit_scale.rehearsal [--script slurm/convit_b_plus.sh] [--out runs/rehearsal] [overrides ...]
     python -m convit_scale.rehearsal --fault all|kill|stop|worker|node   (unplanned failures: rehearsal/faults.py)
 
 starts the local Slurm cluster (cluster.py) with the script's nodes, each declaring as many CPUs and count-only GPUs
-as the script has tasks per node (4 x 8 for convit_base_plus.sh), and submits the script itself: its #SBATCH shape,
+as the script has tasks per node (4 x 8 for convit_b_plus.sh), and submits the script itself: its #SBATCH shape,
 ``slurm/launch.sh``, one interpreter per rank (srun). Only the CPUs per task (1) and the recipe change: a tiny
 ConViT on Fashion-MNIST WebDataset shards from ``data_prep``, ``data.num_workers: 0``, and the parallel layout of
 the script's own recipe (by default FSDP2 as HSDP with one replica per node, shaped at each start; overrides after
@@ -450,7 +450,7 @@ def checks(shape: JobShape, parallel: dict, a: Watch, b: Watch, stop: dict, step
 # -- the command -----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m convit_scale.rehearsal", description=__doc__.split("\n\n")[0])
-    p.add_argument("--script", default="slurm/convit_base_plus.sh", help="the Slurm script whose job shape runs")
+    p.add_argument("--script", default="slurm/convit_b_plus.sh", help="the Slurm script whose job shape runs")
     p.add_argument("--out", default="runs/rehearsal", help="data, both jobs' run folders and logs, rehearsal.json")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps of each job")
     p.add_argument("--signal-at", type=int, default=2, help="send the pre-timeout signal once this step is logged")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # recipes/table1/convit_tiny_plus.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/convit_tiny_plus.sh
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/convit_ti_plus.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=convit_tiny_plus
+#SBATCH --job-name=convit_ti_plus
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# recipes/table1/deit_small.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_small.sh
+# recipes/table1/deit_tiny_plus.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_ti_plus.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=deit_small
+#SBATCH --job-name=deit_ti_plus
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=10
-#SBATCH --time=48:00:00
+#SBATCH --time=24:00:00
 #SBATCH --signal=USR1@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-RECIPE=${RECIPE:-recipes/table1/deit_small.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
+RECIPE=${RECIPE:-recipes/table1/deit_tiny_plus.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"

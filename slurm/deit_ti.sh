@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# recipes/table1/deit_tiny_plus.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_tiny_plus.sh
+# recipes/table1/deit_tiny.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_ti.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=deit_tiny_plus
+#SBATCH --job-name=deit_ti
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
@@ -12,4 +12,4 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-RECIPE=${RECIPE:-recipes/table1/deit_tiny_plus.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
+RECIPE=${RECIPE:-recipes/table1/deit_tiny.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# recipes/table4/deit_base_distilled.yaml on 2 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_base_distilled.sh
+# recipes/table4/convit_small_plus_distilled.yaml on 2 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/convit_s_plus_distilled.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=deit_base_distilled
+#SBATCH --job-name=convit_s_plus_distilled
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
@@ -12,4 +12,4 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-RECIPE=${RECIPE:-recipes/table4/deit_base_distilled.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
+RECIPE=${RECIPE:-recipes/table4/convit_small_plus_distilled.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# recipes/table1/convit_base_plus.yaml on 4 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/convit_base_plus.sh
+# recipes/table1/deit_small.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_s.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=convit_base_plus
-#SBATCH --nodes=4
+#SBATCH --job-name=deit_s
+#SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=10
@@ -12,4 +12,4 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-RECIPE=${RECIPE:-recipes/table1/convit_base_plus.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
+RECIPE=${RECIPE:-recipes/table1/deit_small.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"

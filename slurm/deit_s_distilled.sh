@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # recipes/table4/deit_small_distilled.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_small_distilled.sh
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_s_distilled.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=deit_small_distilled
+#SBATCH --job-name=deit_s_distilled
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8

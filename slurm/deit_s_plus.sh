@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# recipes/table1/deit_base.yaml on 2 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_base.sh
+# recipes/table1/deit_small_plus.yaml on 2 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_s_plus.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=deit_base
+#SBATCH --job-name=deit_s_plus
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
@@ -12,4 +12,4 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-RECIPE=${RECIPE:-recipes/table1/deit_base.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
+RECIPE=${RECIPE:-recipes/table1/deit_small_plus.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"

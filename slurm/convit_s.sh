@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# recipes/table1/convit_tiny.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
-#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/convit_tiny.sh
+# recipes/table1/convit_small.yaml on 1 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/convit_s.sh
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
-#SBATCH --job-name=convit_tiny
+#SBATCH --job-name=convit_s
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=10
-#SBATCH --time=24:00:00
+#SBATCH --time=48:00:00
 #SBATCH --signal=USR1@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-RECIPE=${RECIPE:-recipes/table1/convit_tiny.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
+RECIPE=${RECIPE:-recipes/table1/convit_small.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# recipes/table4/deit_base_distilled.yaml on 2 node(s) x 8 GPUs. Submit from the repository root:
+#   DATA_DIR=/data/imagenet-ffcv sbatch slurm/deit_b_distilled.sh
+# The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
+#SBATCH --job-name=deit_b_distilled
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=10
+#SBATCH --time=72:00:00
+#SBATCH --signal=USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+RECIPE=${RECIPE:-recipes/table4/deit_base_distilled.yaml} exec bash "${SLURM_SUBMIT_DIR:-.}/slurm/launch.sh"
