@@ -212,7 +212,15 @@ class DataConfig:
     """Unreadable or undecodable samples replaced per epoch and rank before the run stops with a DataError."""
     augment_on: Literal["auto", "device", "cpu"] = "auto"
     """Where RandAugment, normalisation and erasing run: auto = the device on CUDA if it supports the recipe, else
-    cpu."""
+    cpu (the device when ``resize_on`` or ``decode_on`` is device)."""
+    resize_on: Literal["auto", "device", "cpu"] = "auto"
+    """Where a training view's crop box is resized to the model's input: device = the loader hands the box over at
+    its own size and the training device resizes the whole batch (PIL's bicubic, within a level of its pixels);
+    auto = the device wherever the augmentation runs on a CUDA device, else cpu."""
+    decode_on: Literal["cpu", "device"] = "cpu"
+    """Where training JPEGs are decoded: device = the loader reads the bytes and draws the crop box from the JPEG's
+    header; the training device decodes the batch (nvJPEG through torchvision on CUDA), crops, resizes and flips
+    (formats ffcv and wds; the augmentation and the resize then run on the device too)."""
 
     @property
     def groups(self) -> int:
@@ -272,6 +280,24 @@ class DataConfig:
             reason = unsupported_on_device(self)
             if reason is not None:
                 fail("data.augment_on", "device", reason)
+        self._validate_device_work(fail)
+
+    def _validate_device_work(self, fail) -> None:
+        for key in ("resize_on", "decode_on"):
+            if getattr(self, key) != "device":
+                continue
+            if self.augment_on == "cpu":
+                fail(f"data.{key}", "device", "the augmentation that follows runs on the CPU (data.augment_on: cpu); "
+                     "allowed: data.augment_on device or auto")
+            reason = unsupported_on_device(self)
+            if reason is not None:
+                fail(f"data.{key}", "device", reason)
+        if self.decode_on == "device" and self.resize_on == "cpu":
+            fail("data.decode_on", "device", "the crop is then resized on the device: data.resize_on must be device "
+                 "or auto, not cpu")
+        if self.decode_on == "device" and self.format not in ("ffcv", "wds"):
+            fail("data.decode_on", "device", f"data.format {self.format!r} decodes every file whole on the host; "
+                 "allowed with data.format ffcv or wds")
 
 
 @dataclass

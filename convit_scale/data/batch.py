@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 class Batch:
     """``images`` (B, 3, S, S): float and normalised when the loader augments on the CPU, uint8 crops when the
-    training device augments. In training ``seeds`` holds each sample's seed, int64 (B,) on the CPU (the device
+    training device augments; or, for the training device to finish, the crop boxes at their own size (``Boxes``) or
+    the views undecoded (``Encoded``). In training ``seeds`` holds each sample's seed, int64 (B,) on the CPU (the device
     augmentation's and drop-path's draws), and ``ids`` each sample's identity (dataset index, or "shard/key" for
     WebDataset). ``bad`` lists the samples that could not be read and were replaced, as dicts (shard or file, key,
     reason)."""
@@ -32,3 +34,122 @@ class Batch:
         with ``non_blocking=True`` overlaps compute."""
         return Batch(self.images.pin_memory(), self.labels.pin_memory(),
                      None if self.seeds is None else self.seeds.pin_memory(), self.bad, self.ids)
+
+
+class Boxes:
+    """Training views handed over as their crop boxes at their own size (``data.resize_on: device``): the training
+    device resizes them to the model's input (``device_resize.resize_packed``), flips and augments them.
+
+    ``pixels`` uint8 (N,): the boxes one after another, each (h, w, 3) row-major; ``sizes`` int64 (B, 2): each box's
+    (h, w); ``flips`` bool (B,): flip after the resize."""
+
+    __slots__ = ("pixels", "sizes", "flips")
+
+    def __init__(self, pixels: torch.Tensor, sizes: torch.Tensor, flips: torch.Tensor):
+        self.pixels, self.sizes, self.flips = pixels, sizes, flips
+
+    @classmethod
+    def of(cls, views: list) -> "Boxes":
+        """Packed from (uint8 (h, w, 3) array, flip) pairs."""
+        sizes = torch.tensor([box.shape[:2] for box, _ in views], dtype=torch.int64).reshape(-1, 2)
+        pixels = (torch.from_numpy(np.concatenate([np.ascontiguousarray(box).reshape(-1) for box, _ in views]))
+                  if views else torch.empty(0, dtype=torch.uint8))
+        return cls(pixels, sizes, torch.tensor([bool(f) for _, f in views], dtype=torch.bool))
+
+    def __len__(self) -> int:
+        return self.sizes.shape[0]
+
+    def _spans(self) -> torch.Tensor:
+        lengths = self.sizes.prod(1) * 3
+        return torch.stack([torch.cumsum(lengths, 0) - lengths, lengths], 1)
+
+    def __getitem__(self, rows) -> "Boxes":
+        index = torch.arange(len(self))[rows]
+        spans = self._spans()[index]
+        if index.numel() and bool((index[1:] - index[:-1] == 1).all()):  # consecutive: one slice of the buffer
+            start, end = int(spans[0, 0]), int(spans[-1].sum())
+            pixels = self.pixels[start:end]
+        else:
+            pixels = torch.cat([self.pixels[int(s):int(s) + int(n)] for s, n in spans.tolist()] or
+                               [self.pixels[:0]])
+        return Boxes(pixels, self.sizes[index], self.flips[index])
+
+    @staticmethod
+    def cat(parts: list["Boxes"]) -> "Boxes":
+        return Boxes(torch.cat([p.pixels for p in parts]), torch.cat([p.sizes for p in parts]),
+                     torch.cat([p.flips for p in parts]))
+
+    def pin_memory(self) -> "Boxes":
+        return Boxes(self.pixels.pin_memory(), self.sizes, self.flips.pin_memory())
+
+    def __getstate__(self):
+        return self.pixels, self.sizes, self.flips
+
+    def __setstate__(self, state):
+        self.pixels, self.sizes, self.flips = state
+
+
+class Encoded:
+    """Training views handed over undecoded (``data.decode_on: device``): the training device decodes each JPEG,
+    crops its box, resizes it to the model's input and flips it (``device_images.py``).
+
+    ``data`` uint8 (N,): the views' payloads one after another; ``meta`` int64 (B, 8) per view: payload length,
+    kind (``JPEG``: the file's bytes; ``RAW``: (height, width, 3) pixels the loader decoded, an image that is not
+    a JPEG), the image's height and width, the box's top, left, height, width; ``flips`` bool (B,)."""
+
+    JPEG, RAW = 0, 1
+    __slots__ = ("data", "meta", "flips")
+
+    def __init__(self, data: torch.Tensor, meta: torch.Tensor, flips: torch.Tensor):
+        self.data, self.meta, self.flips = data, meta, flips
+
+    @classmethod
+    def of(cls, views: list) -> "Encoded":
+        """Packed from (payload bytes or uint8 array, kind, (height, width), (top, left, h, w), flip) tuples."""
+        payloads = [np.frombuffer(p, dtype=np.uint8) if isinstance(p, (bytes, bytearray, memoryview))
+                    else np.ascontiguousarray(p).reshape(-1) for p, *_ in views]
+        meta = torch.tensor([[len(p), kind, *size, *box] for p, (_, kind, size, box, _) in zip(payloads, views)],
+                            dtype=torch.int64).reshape(-1, 8)
+        data = torch.from_numpy(np.concatenate(payloads)) if views else torch.empty(0, dtype=torch.uint8)
+        return cls(data, meta, torch.tensor([bool(v[-1]) for v in views], dtype=torch.bool))
+
+    def __len__(self) -> int:
+        return self.meta.shape[0]
+
+    def payloads(self) -> list[torch.Tensor]:
+        """Each view's payload, a view of ``data``."""
+        return list(torch.split(self.data, self.meta[:, 0].tolist()))
+
+    def __getitem__(self, rows) -> "Encoded":
+        index = torch.arange(len(self))[rows]
+        chunks = self.payloads()
+        data = torch.cat([chunks[i] for i in index.tolist()] or [self.data[:0]])
+        return Encoded(data, self.meta[index], self.flips[index])
+
+    @staticmethod
+    def cat(parts: list["Encoded"]) -> "Encoded":
+        return Encoded(torch.cat([p.data for p in parts]), torch.cat([p.meta for p in parts]),
+                       torch.cat([p.flips for p in parts]))
+
+    def pin_memory(self) -> "Encoded":
+        return self  # the host decodes from it, or the device decoder reads it from the host
+
+    def __getstate__(self):
+        return self.data, self.meta, self.flips
+
+    def __setstate__(self, state):
+        self.data, self.meta, self.flips = state
+
+
+def stack_views(views: list):
+    """One batch's images from its views: uint8/float tensors stacked, crop boxes (``(array, flip)``) packed as
+    ``Boxes``, undecoded views (5-tuples) as ``Encoded``."""
+    first = views[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(views)
+    return Boxes.of(views) if len(first) == 2 else Encoded.of(views)
+
+
+def cat_images(parts: list):
+    """``torch.cat`` for every kind of batch images (tensors, ``Boxes``, ``Encoded``)."""
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts)

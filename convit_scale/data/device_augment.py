@@ -73,10 +73,23 @@ class DeviceAugmentConfig:
 
 
 def augment_on_device(d, device: torch.device) -> bool:
-    """``data.augment_on`` resolved for a run on ``device``: auto = on CUDA, when the device supports the recipe."""
+    """``data.augment_on`` resolved for a run on ``device``: auto = on CUDA, when the device supports the recipe, and
+    wherever the resize or the decode is asked to run on the device."""
     if d.augment_on == "auto":
-        return device.type == "cuda" and unsupported_on_device(d) is None
+        asked = "device" in (getattr(d, "resize_on", "auto"), getattr(d, "decode_on", "cpu"))
+        return (asked or device.type == "cuda") and unsupported_on_device(d) is None
     return d.augment_on == "device"
+
+
+def handover_of(d, device: torch.device) -> str:
+    """What a training loader hands over for a run on ``device`` (``LoaderSpec.handover``): "jpeg" (undecoded views,
+    ``data.decode_on: device``), "box" (crop boxes at their own size, ``data.resize_on``: device, or auto with the
+    augmentation on a CUDA device) or "pixels" (the crops at the model's input size)."""
+    if not augment_on_device(d, device):
+        return "pixels"
+    if d.decode_on == "device":
+        return "jpeg"
+    return "box" if d.resize_on == "device" or (d.resize_on == "auto" and device.type == "cuda") else "pixels"
 
 
 def config_of(d) -> DeviceAugmentConfig:

@@ -34,9 +34,12 @@ from .ffcv_decoders import (
     REPLACED,
     EvalNormalize,
     PrivateTimmStage,
+    SeededBoxDecoder,
     SeededCropFlipDecoder,
+    SeededJpegDecoder,
     TimmEvalDecoder,
     ViewLabelDecoder,
+    unpack_views,
 )
 from .ffcv_epoch import EpochIterator
 from .geometry import EpochGeometry, LoaderSpec
@@ -89,6 +92,11 @@ class FfcvLoader:
         if not self.spec.train:
             return [TimmEvalDecoder((size, size), d.eval_crop_ratio, d.interpolation), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [EvalNormalize()])
+        if self.spec.handover == "box":  # the box at its own size and the flip: the training device resizes
+            return [SeededBoxDecoder(d.hflip, d.crop_scale, self.spec.group_size), ToTensor()]
+        if self.spec.handover == "jpeg":  # the file's bytes, the box and the flip: the training device decodes
+            sizes = Reader(str(self._path)).alloc_table["size"]
+            return [SeededJpegDecoder(d.hflip, d.crop_scale, int(sizes.max()) if len(sizes) else 0), ToTensor()]
         crop = SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation, self.spec.group_size)
         if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
             return [crop, ToTensor(), ToTorchImage()]
@@ -140,13 +148,16 @@ class FfcvLoader:
     def _batches(self, it, order: np.ndarray):
         first = 0
         for out in it:  # the fields' outputs in the file's field order: the images are the 4-d one
-            images, labels = out if out[0].dim() == 4 else out[::-1]
+            images, labels = out if out[0].dim() > out[1].dim() else out[::-1]
             # ffcv reuses its output buffers: copy what leaves the loader. In device-augmentation mode the images
             # stay channels-last (NCHW over the decoder's NHWC memory): a plain copy here, and the transposition
             # happens on the training device (device_augment), not in this thread, which every batch passes through.
             # With pinning, the one copy goes straight into page-locked memory (clone, then pin, would be two).
-            images = (torch.empty_like(images, pin_memory=True).copy_(images) if self.spec.pin_memory
-                      else images.clone())
+            if self.spec.handover != "pixels":  # packed into a batch of their own: the rows are ffcv's buffers
+                images = unpack_views(images, self.spec.handover)
+            else:
+                images = (torch.empty_like(images, pin_memory=True).copy_(images) if self.spec.pin_memory
+                          else images.clone())
             labels = labels.clone().long()
             views = order[first:first + len(labels)]  # the decoder marked replaced views before ffcv queued the batch
             first += len(labels)

@@ -21,12 +21,14 @@ from ..ffcv_threads import importing_ffcv
 with importing_ffcv():
     from ffcv.fields.basics import IntDecoder
     from ffcv.fields.rgb_image import IMAGE_MODES, RandomResizedCropRGBImageDecoder
+    from ffcv.pipeline.allocation_query import AllocationQuery
     from ffcv.pipeline.compiler import Compiler
     from ffcv.pipeline.operation import Operation
 
 from .. import jpeg_roi
 from ..jpeg import decode_rgb_box
 from ..splitmix_numba import FLIP_DRAW, uniform
+from .batch import Boxes, Encoded
 from .ffcv_epoch import SlotScratch
 from .private_aug import PrivateAugment
 from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
@@ -244,3 +246,119 @@ class EvalNormalize(torch.nn.Module):
         mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
         std = torch.tensor(STD).view(1, 3, 1, 1) * 255
         return (batch.float() - mean) / std
+
+
+HEADER = 64
+"""Bytes before a handed-over view's payload in its output row (``SeededBoxDecoder``, ``SeededJpegDecoder``):
+little-endian uint32 words; the payload starts 64-byte aligned."""
+
+
+@numba.njit(nogil=True)
+def _put(row, word, value):
+    for k in range(4):
+        row[4 * word + k] = (value >> (8 * k)) & 255
+
+
+@numba.njit(nogil=True)
+def _copy_box(scratch, stride, i, j, h, w, out):
+    """The (h, w) box at row i, column j of ``scratch`` (RGB rows ``stride`` pixels wide) into ``out``, compact."""
+    for r in range(h):
+        src = ((i + r) * stride + j) * 3
+        out[r * w * 3:(r + 1) * w * 3] = scratch[src:src + w * 3]
+
+
+class _HandoverDecoder(RandomResizedCropRGBImageDecoder):
+    """A train view handed over to the training device (``device_images.py``): one output row per view of
+    ``HEADER`` bytes and ``payload`` bytes at most, and a scratch row per slot for a box decoder."""
+
+    def __init__(self, flip_prob: float, scale=(0.08, 1.0), group: int = 0):
+        super().__init__((1, 1), scale=tuple(scale), ratio=(3 / 4, 4 / 3))
+        self.flip_prob, self.group = flip_prob, group
+
+    def payload(self) -> int:
+        return int(np.uint64(self.max_height) * np.uint64(self.max_width) * np.uint64(3))
+
+    def declare_state_and_memory(self, previous_state):
+        self.max_width = np.uint64(self.metadata["width"].max())
+        self.max_height = np.uint64(self.metadata["height"].max())
+        shape, dtype = (HEADER + self.payload(),), np.dtype("<u1")
+        largest = np.uint64(self.max_height) * np.uint64(self.max_width) * np.uint64(3)
+        return (replace(previous_state, jit_mode=True, shape=shape, dtype=dtype),
+                (AllocationQuery(shape, dtype), SlotScratch((largest,), dtype)))
+
+
+class SeededBoxDecoder(_HandoverDecoder):
+    """``SeededCropFlipDecoder`` without its resize (``data.resize_on: device``): the same box decoded (a view whose
+    JPEG fails takes the next one of its group that decodes, ``_decode_or_next``) and the same flip drawn, handed
+    over at the box's own size: words h, w, flip, then the (h, w, 3) pixels (``batch.Boxes``)."""
+
+    def generate_code(self):
+        scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
+        jpeg_roi.warn_if_missing("the FFCV train decoder")
+        decode_or_next = _decode_or_next(self.memory_read, self.group, _train_box(scale, log_ratio))
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination, scratch = my_storage[0], my_storage[1][0]
+            for dst_ix in range(len(batch_indices)):
+                view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
+                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed)
+                row = destination[dst_ix]
+                _copy_box(scratch, stride, i, j, h, w, row[HEADER:])
+                _put(row, 0, h)
+                _put(row, 1, w)
+                _put(row, 2, 1 if uniform(view_seed, FLIP_DRAW) < flip_prob else 0)
+            return destination[:len(batch_indices)]
+
+        return decode
+
+
+class SeededJpegDecoder(_HandoverDecoder):
+    """The view undecoded (``data.decode_on: device``): its box drawn from the size the .beton records and its flip,
+    as ``SeededCropFlipDecoder`` draws them, handed over with the file's bytes: words length, kind (0 JPEG, 1 raw
+    pixels), height, width, top, left, box height, box width, flip, then the payload (``batch.Encoded``)."""
+
+    def __init__(self, flip_prob: float, scale=(0.08, 1.0), max_bytes: int = 0):
+        super().__init__(flip_prob, scale)
+        self.max_bytes = max_bytes
+
+    def payload(self) -> int:
+        return max(int(self.max_bytes), super().payload())
+
+    def generate_code(self):
+        scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
+        box_of, mem_read, jpg = _train_box(scale, log_ratio), self.memory_read, IMAGE_MODES["jpg"]
+
+        def decode(batch_indices, my_storage, metadata, storage_state):
+            destination = my_storage[0]
+            for dst_ix in range(len(batch_indices)):
+                view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
+                field = metadata[batch_indices[dst_ix] & FILE_INDEX]
+                data = mem_read(field["data_ptr"], storage_state)
+                src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
+                i, j, h, w = box_of(src_h, src_w, view_seed)
+                row = destination[dst_ix]
+                row[HEADER:HEADER + data.size] = data
+                _put(row, 0, data.size)
+                _put(row, 1, 0 if field["mode"] == jpg else 1)
+                _put(row, 2, src_h)
+                _put(row, 3, src_w)
+                _put(row, 4, i)
+                _put(row, 5, j)
+                _put(row, 6, h)
+                _put(row, 7, w)
+                _put(row, 8, 1 if uniform(view_seed, FLIP_DRAW) < flip_prob else 0)
+            return destination[:len(batch_indices)]
+
+        return decode
+
+
+def unpack_views(rows: torch.Tensor, kind: str):
+    """The ``batch.Boxes`` ("box") or ``batch.Encoded`` ("jpeg") of a batch of handed-over output rows."""
+    words = rows[:, :36].contiguous().view(torch.int32).long()
+    if kind == "box":
+        sizes, flips = words[:, :2], words[:, 2].bool()
+        lengths = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
+        return Boxes(torch.cat([rows[b, HEADER:HEADER + n] for b, n in enumerate(lengths)]), sizes.clone(), flips)
+    meta, flips = words[:, :8], words[:, 8].bool()
+    return Encoded(torch.cat([rows[b, HEADER:HEADER + n] for b, n in enumerate(meta[:, 0].tolist())]), meta.clone(),
+                   flips)

@@ -60,12 +60,20 @@ class LoaderSpec:
     augment_on_device: bool = False
     """Stop at uint8 images (train: cropped and flipped; eval: resized and centre-cropped): the training device does
     RandAugment, normalisation and erasing (device_augment.py)."""
+    handover: str = "pixels"
+    """Train, with ``augment_on_device``: what the loader hands the training device (``device_images.py``):
+    "pixels" (the crops at ``img_size``), "box" (the crop boxes at their own size, ``batch.Boxes``) or "jpeg" (the
+    views undecoded, ``batch.Encoded``)."""
     global_batch_size: int | None = None
     """Train: the recipe's global batch B (None: micro-batch x world, no accumulation)."""
     canonical_groups: int | None = None
     """Train: the recipe's canonical groups K (None: one per rank)."""
 
     def __post_init__(self):
+        if self.handover not in ("pixels", "box", "jpeg") or (self.handover != "pixels" and not (
+                self.train and self.augment_on_device)):
+            raise ValueError(f"LoaderSpec: handover {self.handover!r} needs a train split augmented on the device "
+                             "(allowed: pixels, box, jpeg)")
         if self.train:
             b, k, w, m = self.global_batch, self.groups, self.world_size, self.micro_batch_size
             if b % k or not 1 <= w <= k or m % (b // k):

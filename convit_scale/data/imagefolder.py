@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 
 from convit_scale.imagetree import list_classes, scan_split, subsample
 
 from ..config import DataConfig
-from .batch import Batch
+from .batch import Batch, stack_views
 from .faults import DECODE_ERRORS, DataError, limit_bad_samples, reason_of
 from .geometry import EpochGeometry, LoaderSpec
 from .order import view_seeds
@@ -52,7 +52,7 @@ class _SeededImages(Dataset):
 
 
 def _collate(items) -> Batch:
-    images, labels = default_collate([(x, y) for x, y, _ in items])
+    images, labels = stack_views([x for x, _, _ in items]), torch.tensor([y for _, y, _ in items], dtype=torch.long)
     return Batch(images, labels, bad=[record for _, _, bad in items for record in bad])
 
 
@@ -79,7 +79,7 @@ class ImageFolderLoader:
         self.d, self.spec = d, spec
         self.num_samples = len(self.samples)
         on_device = spec.augment_on_device
-        transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
+        transform = (build_train_transform(d, spec.img_size, on_device, spec.handover) if spec.train
                      else build_eval_transform(d, spec.img_size, on_device))
         self.dataset = _SeededImages(self.samples, transform)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(root))

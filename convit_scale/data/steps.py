@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from .batch import Batch
+from .batch import Batch, cat_images
 from .faults import DataError
 from .geometry import LoaderSpec
 
@@ -19,7 +19,7 @@ def join(batches: list[Batch], pin: bool) -> Batch:
     """One batch of ``batches`` in order (no copy for one)."""
     if len(batches) == 1:
         return batches[0]
-    joined = Batch(torch.cat([b.images for b in batches]), torch.cat([b.labels for b in batches]),
+    joined = Batch(cat_images([b.images for b in batches]), torch.cat([b.labels for b in batches]),
                    None if batches[0].seeds is None else torch.cat([b.seeds for b in batches]),
                    [r for b in batches for r in b.bad], [i for b in batches for i in (b.ids or ())])
     return joined.pin_memory() if pin else joined

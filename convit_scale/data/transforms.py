@@ -26,6 +26,7 @@ from torchvision.transforms import functional as F
 
 from .. import jpeg_roi
 from ..config import DataConfig
+from .batch import Encoded
 from .faults import DECODE_ERRORS, CropDecodeError, UndecodedJpeg, open_jpeg_or_decode, pil_rgb
 
 
@@ -61,6 +62,50 @@ class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
         return F.resized_crop(whole, i, j, h, w, self.size, interpolation)
 
 
+class BoxCrop:
+    """The train view's RandomResizedCrop box at its own size and its flip, for the training device to resize
+    (``data.resize_on: device``): ``(uint8 (h, w, 3) array, flip)``. The box and the flip are drawn with timm's own
+    calls in timm's order (``RandomResizedCropAndInterpolation.get_params``, then torchvision's
+    ``RandomHorizontalFlip``: ``torch.rand(1) < p``), so a view gets the same box and flip as in the other modes; a
+    JPEG's box alone is decoded (``jpeg_roi``), as ``CropDecodingResizedCrop`` decodes it."""
+
+    def __init__(self, crop: RandomResizedCropAndInterpolation, hflip: float):
+        self.crop, self.hflip = crop, hflip
+
+    def box(self, img) -> tuple:
+        """(i, j, h, w) of ``img`` (a decoded image or an ``UndecodedJpeg``) and the flip, drawn in timm's order."""
+        header = img.header if isinstance(img, UndecodedJpeg) else img
+        box = self.crop.get_params(header, self.crop.scale, self.crop.ratio)
+        if isinstance(self.crop.interpolation, (tuple, list)):
+            random.choice(self.crop.interpolation)  # timm's draw, kept: the flip's draw follows it
+        return box, self.hflip > 0 and bool(torch.rand(1) < self.hflip)
+
+    def __call__(self, img):
+        (i, j, h, w), flip = self.box(img)
+        if isinstance(img, UndecodedJpeg):
+            box = jpeg_roi.decode_box(img.data, i, j, h, w)
+            if box is not None:
+                return box, flip
+            try:
+                img = img.header.convert("RGB")
+            except DECODE_ERRORS as e:
+                raise CropDecodeError() from e
+        return np.asarray(img.convert("RGB"))[i:i + h, j:j + w], flip
+
+
+class JpegView(BoxCrop):
+    """The train view undecoded, for the training device to decode, crop, resize and flip (``data.decode_on:
+    device``): ``(payload, kind, (height, width), (i, j, h, w), flip)`` (``batch.Encoded``), the box and flip drawn as
+    ``BoxCrop`` draws them. A JPEG is handed over as its bytes; an image that is not one, decoded here."""
+
+    def __call__(self, img):
+        box, flip = self.box(img)
+        if isinstance(img, UndecodedJpeg):
+            return img.data, Encoded.JPEG, (img.header.height, img.header.width), box, flip
+        pixels = np.asarray(img.convert("RGB"))
+        return pixels, Encoded.RAW, pixels.shape[:2], box, flip
+
+
 def _crop_decoding(transform: Compose) -> Compose:
     """``transform`` with its first step, timm's random resized crop, taking undecoded JPEGs too."""
     if type(transform.transforms[0]) is not RandomResizedCropAndInterpolation:
@@ -72,15 +117,23 @@ def _crop_decoding(transform: Compose) -> Compose:
 def image_opener(transform):
     """How a loader opens an image for ``transform``: a JPEG's header only when the transform's crop decodes its box
     alone (the train transform, with jpeg_roi's library: else said once), anything else decoded whole."""
-    first = getattr(transform, "transforms", [None])[0]
-    if isinstance(first, CropDecodingResizedCrop) and jpeg_roi.warn_if_missing("the WebDataset train loader"):
+    first = getattr(transform, "transforms", [transform])[0]
+    if isinstance(first, JpegView):  # the device decodes: the header alone, whatever the crop decoder
+        return open_jpeg_or_decode
+    if isinstance(first, (CropDecodingResizedCrop, BoxCrop)) and jpeg_roi.warn_if_missing("the WebDataset train "
+                                                                                            "loader"):
         return open_jpeg_or_decode
     return pil_rgb
 
 
-def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False):
+def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False, handover: str = "pixels"):
     """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor. Its crop
-    takes a decoded image or an ``UndecodedJpeg`` (``CropDecodingResizedCrop``)."""
+    takes a decoded image or an ``UndecodedJpeg`` (``CropDecodingResizedCrop``). ``handover`` (``LoaderSpec``): "box"
+    stops at the crop box (``BoxCrop``), "jpeg" before decoding (``JpegView``)."""
+    if handover != "pixels":
+        primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale),
+                                         hflip=d.hflip, interpolation=d.interpolation, separate=True)
+        return (BoxCrop if handover == "box" else JpegView)(primary.transforms[0], d.hflip)
     if on_device:
         primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale),
                                          hflip=d.hflip, interpolation=d.interpolation, separate=True)

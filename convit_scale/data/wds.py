@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..config import DataConfig
 from ..manifest import Manifest
-from .batch import Batch
+from .batch import Batch, cat_images, stack_views
 from .faults import DECODE_ERRORS, CropDecodeError, DataError, limit_bad_samples, next_good, pil_rgb, reason_of
 from .geometry import EpochGeometry, LoaderSpec, eval_positions, slot_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
@@ -136,7 +136,7 @@ class _TrainEpoch(IterableDataset):
                 part.take(ld.views_per_step)
         for step in range(self.first_step, ld.geometry.steps):
             chunks = [self._chunk(step, p, parts[p]) for p in owned]
-            yield Batch(torch.cat([c.images for c in chunks]), torch.cat([c.labels for c in chunks]),
+            yield Batch(cat_images([c.images for c in chunks]), torch.cat([c.labels for c in chunks]),
                         torch.cat([c.seeds for c in chunks]), [r for c in chunks for r in c.bad],
                         [i for c in chunks for i in c.ids])
 
@@ -157,7 +157,7 @@ class _TrainEpoch(IterableDataset):
                                            f"partition {p} of epoch {self.epoch}, step {step}, and the {LOOKAHEAD} "
                                            f"views after it")
         ids = [f"{url.rsplit('/', 1)[-1]}/{key}" for url, key, *_ in chunk]
-        return Batch(torch.stack(images), torch.tensor(labels, dtype=torch.long),
+        return Batch(stack_views(images), torch.tensor(labels, dtype=torch.long),
                      torch.from_numpy(seeds.astype(np.int64)), bad, ids)
 
 
@@ -255,7 +255,7 @@ class WdsLoader:
         self.num_samples = sum(c for _, c in self.shards)
         self.d, self.spec, self.buffer_size = d, spec, buffer_size
         on_device = spec.augment_on_device
-        self.transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
+        self.transform = (build_train_transform(d, spec.img_size, on_device, spec.handover) if spec.train
                           else build_eval_transform(d, spec.img_size, on_device))
         steps = self._layout() if spec.train else None
         self.geometry = EpochGeometry.of(self.num_samples, spec, self.location, steps)
@@ -315,7 +315,7 @@ class WdsLoader:
         try:
             for step in range(first_step, self.geometry.steps):
                 parts = [next(items) for _ in range(max(1, workers))]  # one per worker, round robin: in order
-                images, labels = torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
+                images, labels = cat_images([p.images for p in parts]), torch.cat([p.labels for p in parts])
                 if s.pin_memory:  # the copy to the GPU overlaps compute; micro-batches are slices of these
                     images, labels = images.pin_memory(), labels.pin_memory()
                 seeds = torch.cat([p.seeds for p in parts])

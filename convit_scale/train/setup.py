@@ -12,7 +12,7 @@ import torch
 from .. import jpeg_roi
 from ..config import Config, model_options, shares_note
 from ..data import DataError, Loader, LoaderSpec, build_loader
-from ..data.device_augment import DeviceAugmentConfig, augment_on_device
+from ..data.device_augment import DeviceAugmentConfig, augment_on_device, handover_of
 from ..data.device_augment import config_of as device_augment_config
 from ..data.mixup import GroupMixup
 from ..files import write_atomic
@@ -94,11 +94,12 @@ def _mixup(cfg: Config) -> GroupMixup | None:
 def _loaders(cfg: Config, ctx: DistContext, micro: int) -> tuple[Loader, Loader | None]:
     img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
     pin, on_device = ctx.device.type == "cuda", augment_on_device(cfg.data, ctx.device)
+    handover = handover_of(cfg.data, ctx.device)
 
     def spec(split: str, batch: int) -> LoaderSpec:
         return LoaderSpec(split, img_size, batch, ctx.world_size, ctx.rank, cfg.run.seed, pin_memory=pin,
-                          augment_on_device=on_device, global_batch_size=cfg.data.global_batch_size,
-                          canonical_groups=cfg.data.groups)
+                          augment_on_device=on_device, handover=handover if split == "train" else "pixels",
+                          global_batch_size=cfg.data.global_batch_size, canonical_groups=cfg.data.groups)
 
     train_loader = build_loader(cfg.data, spec("train", micro))
     val_loader = build_loader(cfg.data, spec("val", cfg.data.eval_batch_size)) if cfg.data.val_path else None

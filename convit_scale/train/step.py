@@ -13,6 +13,7 @@ import torch
 from .. import comm
 from ..data import Batch, DataError
 from ..data.device_augment import augment_batch, to_device
+from ..data.device_images import batch_on_device
 from ..data.geometry import MicroPart
 from ..data.order import step_seed
 from ..data.transforms import seed_all
@@ -106,10 +107,10 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats, bad_samples, ids, taken = StepStats(ctx.device), [], [], 0
     for m, batch in enumerate(micro_batches):
         watch.mark(COMPUTE)
-        bad_samples.extend(batch.bad)
         ids.extend(batch.ids or ())
         with strategy.micro_batch(is_last_micro=m == run.accum - 1):
             _micro_step(run, state, batch, m, stats)
+        bad_samples.extend(batch.bad)  # after the step: views the device could not decode are added there
         state.batch_in_epoch, taken = state.batch_in_epoch + 1, m + 1
         watch.mark(DATA)
     if taken != run.accum:
@@ -157,7 +158,9 @@ def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepSt
     """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
     device, spec = run.ctx.device, run.train_loader.spec
     part = spec.micro_parts[m]
-    x, y = batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+    x, y = batch_on_device(batch, device, spec.img_size, spec.group_size)  # resized/decoded there if handed over so
+    if not part.samples:  # a repeat, weighted 0: its views were counted where they first came
+        batch.bad.clear()
     keep, plan = _sample_draws(run, state, batch, part, tuple(x.shape[-2:]))
     if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
         x = augment_batch(x, batch.seeds, run.device_augment)

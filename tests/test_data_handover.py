@@ -1,0 +1,116 @@
+"""What a training loader hands the training device (``data.resize_on``, ``data.decode_on``; device_images.py): the
+crop boxes at their own size ("box") or the views undecoded ("jpeg"), with the same views, boxes, flips, labels,
+seeds and ids as the loader that resizes on the CPU ("pixels"), in every format, at any rank and after a resume;
+finished on the device, the same crops within a level; a view the device cannot decode replaced within its group."""
+
+import io
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from support import losses, tiny_recipe, train_here
+
+from convit_scale.config import ConfigError, DataConfig, load_config
+from convit_scale.data import LoaderSpec, build_loader
+from convit_scale.data.batch import Batch, Boxes, Encoded
+from convit_scale.data.device_augment import handover_of
+from convit_scale.data.device_images import batch_on_device
+
+CPU = torch.device("cpu")
+CROP_ONLY = {"repeated_aug": 1, "rand_augment": None, "color_jitter": 0.0, "reprob": 0.0}
+MODES = [("imagefolder", "box"), ("wds", "box"), ("wds", "jpeg"), ("ffcv", "box"), ("ffcv", "jpeg")]
+
+
+def _loader(fmt, path, handover, rank=0, world=1):
+    d = DataConfig(format=fmt, train_path=str(path), val_path=str(path), num_workers=0, global_batch_size=32,
+                   canonical_groups=4, **CROP_ONLY)
+    spec = LoaderSpec("train", 28, 32 // world, world, rank, seed=3, augment_on_device=True, handover=handover,
+                      global_batch_size=32, canonical_groups=4)
+    return build_loader(d, spec), spec
+
+
+@pytest.mark.parametrize("fmt, handover", MODES)
+def test_handed_over_views_are_the_pixel_modes_views(fmt, handover, fm_tree, fm_wds, fm_ffcv):
+    path = {"imagefolder": fm_tree, "wds": fm_wds, "ffcv": fm_ffcv}[fmt]
+    for rank, world, start in ((0, 1, 0), (1, 2, 3)):  # one rank from the start; the second of two after a resume
+        pixels, spec = _loader(fmt, path, "pixels", rank, world)
+        handed, _ = _loader(fmt, path, handover, rank, world)
+        kind = Boxes if handover == "box" else Encoded
+        for a, b in itertools.islice(zip(pixels.epoch(1, start), handed.epoch(1, start)), 2):
+            assert isinstance(b.images, kind) and len(b.images) == len(a.labels)
+            assert torch.equal(a.labels, b.labels) and torch.equal(a.seeds, b.seeds) and a.ids == b.ids
+            x, y = batch_on_device(b, CPU, 28, spec.group_size)
+            assert x.dtype == torch.uint8 and x.shape == a.images.shape and torch.equal(y, a.labels)
+            diff = (x.int() - a.images.contiguous().int()).abs()
+            assert diff.max() <= 1, f"{fmt} {handover}: {diff.max()} levels from the CPU resize"
+
+
+def test_boxes_and_encoded_views_cut_and_join_as_tensors_do():
+    crops = [(np.full((h, w, 3), k, np.uint8), k % 2 == 0) for k, (h, w) in enumerate([(2, 3), (4, 1), (3, 3)])]
+    boxes = Boxes.of(crops)
+    assert boxes.sizes.tolist() == [[2, 3], [4, 1], [3, 3]] and boxes.flips.tolist() == [True, False, True]
+    joined = Boxes.cat([boxes[0:1], boxes[1:3]])
+    assert torch.equal(joined.pixels, boxes.pixels) and torch.equal(joined.sizes, boxes.sizes)
+    picked = boxes[torch.tensor([2, 0])]
+    assert picked.pixels.tolist() == [2] * 27 + [0] * 18
+    views = Encoded.of([(b"\x01\x02", Encoded.JPEG, (5, 6), (0, 1, 2, 3), True),
+                        (np.zeros((1, 2, 3), np.uint8), Encoded.RAW, (1, 2), (0, 0, 1, 2), False)])
+    assert views.meta.tolist() == [[2, 0, 5, 6, 0, 1, 2, 3], [6, 1, 1, 2, 0, 0, 1, 2]]
+    assert [p.tolist() for p in views[1:].payloads()] == [[0] * 6]
+
+
+def _jpeg(colour, size=(20, 16)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def test_a_view_the_device_cannot_decode_takes_the_next_of_its_group():
+    """Views 0-3 in groups of 2: view 0 is corrupt (replaced by view 1, its label too); view 3 is not a JPEG the
+    device decodes but PIL does (a grey-scale PNG handed over as raw pixels decodes on the host: not replaced)."""
+    grey = np.asarray(Image.new("L", (16, 20), 99).convert("RGB"))
+    views = Encoded.of([(b"\xff\xd8\xff\xe0 not a jpeg", Encoded.JPEG, (20, 16), (0, 0, 20, 16), False),
+                        (_jpeg((200, 10, 10)), Encoded.JPEG, (16, 20), (2, 2, 10, 10), False),
+                        (_jpeg((10, 200, 10)), Encoded.JPEG, (16, 20), (0, 0, 16, 20), True),
+                        (grey, Encoded.RAW, (20, 16), (0, 0, 20, 16), False)])
+    batch = Batch(views, torch.tensor([0, 1, 2, 3]), ids=["a", "b", "c", "d"])
+    x, y = batch_on_device(batch, CPU, 8, group=2)
+    assert y.tolist() == [1, 1, 2, 3] and torch.equal(x[0], x[1])
+    assert [r["key"] for r in batch.bad] == ["a"] and "undecodable JPEG" in batch.bad[0]["reason"]
+    assert abs(int(x[1, 0].float().mean()) - 200) <= 3 and abs(int(x[3].float().mean()) - 99) <= 1
+
+
+def test_where_the_work_runs_is_resolved_and_refused_before_any_process():
+    cuda = torch.device("cuda")
+    assert handover_of(DataConfig(), cuda) == "box" and handover_of(DataConfig(), CPU) == "pixels"
+    assert handover_of(DataConfig(resize_on="device"), CPU) == "box"
+    assert handover_of(DataConfig(decode_on="device"), CPU) == "jpeg"
+    assert handover_of(DataConfig(resize_on="cpu"), cuda) == "pixels"
+    assert handover_of(DataConfig(augment_on="cpu"), cuda) == "pixels"
+    for overrides, needle in ((["data.resize_on=device", "data.augment_on=cpu"], "data.augment_on: cpu"),
+                              (["data.decode_on=device", "data.resize_on=cpu"], "data.resize_on must be device"),
+                              (["data.decode_on=device", "data.format=imagefolder"], "format ffcv or wds"),
+                              (["data.resize_on=device", "data.interpolation=bilinear"], "bicubic")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        assert needle in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, key", [("imagefolder", "resize_on"), ("wds", "decode_on")])
+def test_training_with_the_work_on_the_device_resumes_bit_identically(fmt, key, fm_tree, fm_wds, tmp_path, capsys):
+    """One process: 4 steps uninterrupted against 2, stopped (a checkpoint) and resumed, the paper's augmentation
+    on; the same losses."""
+    path = {"imagefolder": fm_tree, "wds": fm_wds}[fmt]
+    kw = dict(data={key: "device", "num_workers": 1, "repeated_aug": 1},
+              parallel={"strategy": "none", "precision": "fp32"}, checkpoint={"every_steps": 2})
+    full = tiny_recipe(tmp_path / "a.yaml", fmt, path, tmp_path / "a", schedule={"max_steps": 4}, **kw)
+    assert train_here(full) == 0
+    part = tiny_recipe(tmp_path / "b.yaml", fmt, path, tmp_path / "b", schedule={"max_steps": 2}, **kw)
+    assert train_here(part) == 0
+    capsys.readouterr()
+    assert train_here(part, "schedule.max_steps=4") == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert len(losses(tmp_path / "a")) == 4 and losses(tmp_path / "b") == losses(tmp_path / "a")
