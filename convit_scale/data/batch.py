@@ -132,7 +132,8 @@ class Encoded:
                        torch.cat([p.flips for p in parts]))
 
     def pin_memory(self) -> "Encoded":
-        return self  # the host decodes from it, or the device decoder reads it from the host
+        """The flips page-locked (they move to the device); the payloads stay: the decoder reads them on the host."""
+        return Encoded(self.data, self.meta, self.flips.pin_memory())
 
     def __getstate__(self):
         return self.data, self.meta, self.flips

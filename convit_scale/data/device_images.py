@@ -28,7 +28,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from .batch import Batch, Boxes, Encoded
 from .device_resize import resize_list, resize_packed
-from .faults import DECODE_ERRORS, next_good, reason_of
+from .faults import DECODE_ERRORS, DataError, next_good, reason_of
 
 
 def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +68,9 @@ def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch
             top, left, h, w = m[4:8]
             crops[i] = crops[i][:, top:top + h, left:left + w]
     good = [i for i in range(len(views)) if crops[i] is not None]
-    flips = views.flips[good].to(device, non_blocking=True)
     if len(good) == len(views):
-        return resize_list(crops, size, flips), failed
+        return resize_list(crops, size, views.flips.to(device, non_blocking=True)), failed
+    flips = views.flips[good].to(device)
     out = torch.zeros(len(views), 3, size, size, dtype=torch.uint8, device=device)
     if good:
         out[torch.tensor(good, device=device)] = resize_list([crops[i] for i in good], size, flips)
@@ -110,8 +110,6 @@ def _replace(images: torch.Tensor, labels: torch.Tensor, failed: dict, group: in
         base = i - i % group
         j = next_good({f - base for f in failed if base <= f < base + group}, i - base, group)
         if j is None:
-            from .faults import DataError
-
             raise DataError(f"no view of canonical group {i // group} of the batch decodes "
                             f"({failed[i]['reason']})")
         images[i], labels[i] = images[base + j], labels[base + j]
