@@ -114,3 +114,19 @@ def test_training_with_the_work_on_the_device_resumes_bit_identically(fmt, key, 
     assert train_here(part, "schedule.max_steps=4") == 0
     assert "resumed from" in capsys.readouterr().out
     assert len(losses(tmp_path / "a")) == 4 and losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_imagefolder_and_ffcv_give_a_view_the_same_pixels(on_device, fm_tree, fm_ffcv):
+    """The sample contract (data/sample.py): the same views at the same positions, each with the same crop box and
+    flip (drawn from its seed), and the augmentation after them (RandAugment, erasing) drawn alike: the PIL path of
+    ImageFolder and FFCV's compiled one give the same batches, bit for bit, with the paper's augmentation on."""
+    batches = []
+    for fmt, path in (("imagefolder", fm_tree), ("ffcv", fm_ffcv)):
+        d = DataConfig(format=fmt, train_path=str(path), val_path=str(path), global_batch_size=32, num_workers=0,
+                       repeated_aug=1)
+        spec = LoaderSpec("train", 28, 16, augment_on_device=on_device, global_batch_size=32, canonical_groups=2)
+        batches.append(list(itertools.islice(build_loader(d, spec).epoch(2, start_batch=1), 2)))
+    for a, b in zip(*batches, strict=True):
+        assert a.ids == b.ids and torch.equal(a.labels, b.labels) and torch.equal(a.seeds, b.seeds)
+        assert torch.equal(a.images.contiguous(), b.images.contiguous())

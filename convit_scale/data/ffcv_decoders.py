@@ -27,39 +27,17 @@ with importing_ffcv():
 
 from .. import jpeg_roi
 from ..jpeg import decode_rgb_box
-from ..splitmix_numba import FLIP_DRAW, uniform
 from .batch import Boxes, Encoded
 from .ffcv_epoch import SlotScratch
 from .private_aug import PrivateAugment
 from .resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
+from .sample import flipped, seeded_crop
 from .transforms import MEAN, STD
 
 ID_BITS = np.uint64(32)  # a view id: the view's seed << 32 | the file index
 FILE_INDEX = np.uint64(2**32 - 1)
 REPLACED = np.uint64(2**63)  # set on a view id by the decoder when the view's JPEG failed to decode (seeds < 2**31)
 
-
-
-@numba.njit(nogil=True)
-def seeded_crop(height, width, scale, log_ratio, view_seed):
-    """ffcv's (torchvision's) RandomResizedCrop parameters (i, j, h, w), drawn from the view's seed."""
-    area = height * width
-    for attempt in range(10):
-        target_area = area * (scale[0] + (scale[1] - scale[0]) * uniform(view_seed, 4 * attempt))
-        aspect_ratio = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * uniform(view_seed, 4 * attempt + 1))
-        w = int(round(np.sqrt(target_area * aspect_ratio)))
-        h = int(round(np.sqrt(target_area / aspect_ratio)))
-        if 0 < w <= width and 0 < h <= height:
-            i = int(uniform(view_seed, 4 * attempt + 2) * (height - h + 1))
-            j = int(uniform(view_seed, 4 * attempt + 3) * (width - w + 1))
-            return i, j, h, w
-    in_ratio = float(width) / float(height)  # fallback: the centre crop of the clamped ratio
-    w, h = int(width), int(height)
-    if in_ratio < np.exp(log_ratio[0]):
-        h = int(round(w / np.exp(log_ratio[0])))
-    elif in_ratio > np.exp(log_ratio[1]):
-        w = int(round(h * np.exp(log_ratio[1])))
-    return (int(height) - h) // 2, (int(width) - w) // 2, h, w
 
 
 @numba.njit(nogil=True)
@@ -174,7 +152,7 @@ class SeededCropFlipDecoder(_TimmPixelsDecoder):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
                 i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed)
                 resized_crop(scratch, stride, i, j, h, w, destination[dst_ix], kind, mid)
-                if uniform(view_seed, FLIP_DRAW) < flip_prob:
+                if flipped(view_seed, flip_prob):
                     _flip_in_place(destination[dst_ix])
             return destination[:len(batch_indices)]
 
@@ -306,7 +284,7 @@ class SeededBoxDecoder(_HandoverDecoder):
                 _copy_box(scratch, stride, i, j, h, w, row[HEADER:])
                 _put(row, 0, h)
                 _put(row, 1, w)
-                _put(row, 2, 1 if uniform(view_seed, FLIP_DRAW) < flip_prob else 0)
+                _put(row, 2, 1 if flipped(view_seed, flip_prob) else 0)
             return destination[:len(batch_indices)]
 
         return decode
@@ -346,7 +324,7 @@ class SeededJpegDecoder(_HandoverDecoder):
                 _put(row, 5, j)
                 _put(row, 6, h)
                 _put(row, 7, w)
-                _put(row, 8, 1 if uniform(view_seed, FLIP_DRAW) < flip_prob else 0)
+                _put(row, 8, 1 if flipped(view_seed, flip_prob) else 0)
             return destination[:len(batch_indices)]
 
         return decode

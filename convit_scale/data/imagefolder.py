@@ -16,7 +16,7 @@ from .batch import Batch, stack_views
 from .faults import DECODE_ERRORS, DataError, limit_bad_samples, reason_of
 from .geometry import EpochGeometry, LoaderSpec
 from .order import view_seeds
-from .transforms import build_eval_transform, build_train_transform, seed_host
+from .transforms import build_eval_transform, build_train_transform, transform_view
 from .workers import iterate, loader_options
 
 
@@ -47,8 +47,7 @@ class _SeededImages(Dataset):
         else:
             raise DataError(f"{self.samples[index][0]}: no readable image in it and the {len(bad) - 1} files after "
                             f"it; convert with `convit-scale prep` to skip such files")
-        seed_host(seed)
-        return self.transform(img), label, bad
+        return transform_view(self.transform, img, seed), label, bad
 
 
 def _collate(items) -> Batch:

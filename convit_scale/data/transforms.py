@@ -21,22 +21,26 @@ import torch
 from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation
-from torchvision.transforms import Compose
+from torchvision.transforms import Compose, RandomHorizontalFlip
 from torchvision.transforms import functional as F
 
 from .. import jpeg_roi
 from ..config import DataConfig
 from .batch import Encoded
 from .faults import DECODE_ERRORS, CropDecodeError, UndecodedJpeg, open_jpeg_or_decode, pil_rgb
+from .sample import crop_box, flipped
 
 
 class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
-    """timm's RandomResizedCropAndInterpolation that also takes an ``UndecodedJpeg``: the box drawn from
-    its header's size with timm's own draws (the same calls, so the same box and the same generator state after it),
-    only the box decoded (``jpeg_roi``: PIL's pixels, bit for bit), then resized as timm's ``F.resized_crop`` resizes
-    the crop. Where the crop-region decoder is missing or refuses the JPEG (CMYK, corrupt data inside the box), PIL
-    decodes the whole image, as before; a failure then is a ``CropDecodeError`` (the loader replaces the sample).
-    A JPEG corrupt only below its box is not read that far: it trains (the whole decode would have refused it)."""
+    """timm's RandomResizedCropAndInterpolation with the box of the view's seed (``sample.crop_box``: the box every
+    loader draws for that view; ``seed`` is set per view by ``TrainView``), that also takes an ``UndecodedJpeg``: the
+    box drawn from its header's size, only the box decoded (``jpeg_roi``: PIL's pixels, bit for bit), then resized as
+    timm's ``F.resized_crop`` resizes the crop. Where the crop-region decoder is missing or refuses the JPEG (CMYK,
+    corrupt data inside the box), PIL decodes the whole image, as before; a failure then is a ``CropDecodeError`` (the
+    loader replaces the sample). A JPEG corrupt only below its box is not read that far: it trains (the whole decode
+    would have refused it)."""
+
+    seed = 0
 
     @classmethod
     def of(cls, crop: RandomResizedCropAndInterpolation) -> "CropDecodingResizedCrop":
@@ -44,6 +48,9 @@ class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
         new = cls.__new__(cls)
         new.__dict__.update(crop.__dict__)
         return new
+
+    def get_params(self, img, scale, ratio):
+        return crop_box(img.size[1], img.size[0], self.seed, scale, ratio)
 
     def __call__(self, img):
         if not isinstance(img, UndecodedJpeg):
@@ -62,26 +69,35 @@ class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
         return F.resized_crop(whole, i, j, h, w, self.size, interpolation)
 
 
-class BoxCrop:
-    """The train view's RandomResizedCrop box at its own size and its flip, for the training device to resize
-    (``data.resize_on: device``): ``(uint8 (h, w, 3) array, flip)``. The box and the flip are drawn with timm's own
-    calls in timm's order (``RandomResizedCropAndInterpolation.get_params``, then torchvision's
-    ``RandomHorizontalFlip``: ``torch.rand(1) < p``), so a view gets the same box and flip as in the other modes; a
-    JPEG's box alone is decoded (``jpeg_roi``), as ``CropDecodingResizedCrop`` decodes it."""
+class SeededFlip:
+    """The horizontal flip of the view's seed (``sample.flipped``), in place of torchvision's RandomHorizontalFlip."""
 
-    def __init__(self, crop: RandomResizedCropAndInterpolation, hflip: float):
-        self.crop, self.hflip = crop, hflip
+    seed = 0
 
-    def box(self, img) -> tuple:
-        """(i, j, h, w) of ``img`` (a decoded image or an ``UndecodedJpeg``) and the flip, drawn in timm's order."""
-        header = img.header if isinstance(img, UndecodedJpeg) else img
-        box = self.crop.get_params(header, self.crop.scale, self.crop.ratio)
-        if isinstance(self.crop.interpolation, (tuple, list)):
-            random.choice(self.crop.interpolation)  # timm's draw, kept: the flip's draw follows it
-        return box, self.hflip > 0 and bool(torch.rand(1) < self.hflip)
+    def __init__(self, p: float):
+        self.p = p
 
     def __call__(self, img):
-        (i, j, h, w), flip = self.box(img)
+        return F.hflip(img) if flipped(np.uint64(self.seed), self.p) else img
+
+
+class BoxCrop:
+    """The train view's RandomResizedCrop box at its own size and its flip, for the training device to resize
+    (``data.resize_on: device``): ``(uint8 (h, w, 3) array, flip)``, the box and the flip of the view's seed as every
+    loader draws them (``sample.py``); a JPEG's box alone is decoded (``jpeg_roi``), as ``CropDecodingResizedCrop``
+    decodes it."""
+
+    def __init__(self, crop: RandomResizedCropAndInterpolation, hflip: float):
+        self.scale, self.ratio, self.hflip = tuple(crop.scale), tuple(crop.ratio), hflip
+
+    def box(self, img, seed: int) -> tuple:
+        """(i, j, h, w) of ``img`` (a decoded image or an ``UndecodedJpeg``) and the flip, of the view ``seed``."""
+        header = img.header if isinstance(img, UndecodedJpeg) else img
+        box = crop_box(header.size[1], header.size[0], seed, self.scale, self.ratio)
+        return box, bool(flipped(np.uint64(seed), self.hflip))
+
+    def __call__(self, img, seed: int):
+        (i, j, h, w), flip = self.box(img, seed)
         if isinstance(img, UndecodedJpeg):
             box = jpeg_roi.decode_box(img.data, i, j, h, w)
             if box is not None:
@@ -98,20 +114,41 @@ class JpegView(BoxCrop):
     device``): ``(payload, kind, (height, width), (i, j, h, w), flip)`` (``batch.Encoded``), the box and flip drawn as
     ``BoxCrop`` draws them. A JPEG is handed over as its bytes; an image that is not one, decoded here."""
 
-    def __call__(self, img):
-        box, flip = self.box(img)
+    def __call__(self, img, seed: int):
+        box, flip = self.box(img, seed)
         if isinstance(img, UndecodedJpeg):
             return img.data, Encoded.JPEG, (img.header.height, img.header.width), box, flip
         pixels = np.asarray(img.convert("RGB"))
         return pixels, Encoded.RAW, pixels.shape[:2], box, flip
 
 
-def _crop_decoding(transform: Compose) -> Compose:
-    """``transform`` with its first step, timm's random resized crop, taking undecoded JPEGs too."""
+class TrainView:
+    """A train transform called per view as ``transform(img, seed)``: the host generators seeded by the view's seed
+    (``seed_host``: what timm's augmentation after the crop draws from), the crop and flip given the seed."""
+
+    def __init__(self, transform: Compose):
+        self.compose = transform
+        self.seeded = [t for t in transform.transforms if isinstance(t, (CropDecodingResizedCrop, SeededFlip))]
+
+    @property
+    def transforms(self) -> list:
+        return self.compose.transforms
+
+    def __call__(self, img, seed: int):
+        seed_host(seed)
+        for t in self.seeded:
+            t.seed = seed
+        return self.compose(img)
+
+
+def _crop_decoding(transform: Compose) -> TrainView:
+    """``transform`` with timm's random resized crop taking undecoded JPEGs too and both it and the flip drawing from
+    the view's seed (``sample.py``), called per view (``TrainView``)."""
     if type(transform.transforms[0]) is not RandomResizedCropAndInterpolation:
         raise TypeError(f"timm's train transform starts with {transform.transforms[0]!r}, not its resized crop")
     transform.transforms[0] = CropDecodingResizedCrop.of(transform.transforms[0])
-    return transform
+    transform.transforms = [SeededFlip(t.p) if isinstance(t, RandomHorizontalFlip) else t for t in transform.transforms]
+    return TrainView(transform)
 
 
 def image_opener(transform):
@@ -149,6 +186,15 @@ def build_eval_transform(d: DataConfig, img_size: int, on_device: bool = False):
     """Resize, centre crop, normalise; or (``on_device``) a uint8 (3, S, S) tensor, normalised on the device."""
     return create_transform(input_size=img_size, is_training=False, interpolation=d.interpolation,
                             crop_pct=d.eval_crop_ratio, use_prefetcher=on_device)
+
+
+def transform_view(transform, img, seed: int):
+    """``transform`` of one view: a train transform given the view's seed (``TrainView``, ``BoxCrop``), any other
+    after the host generators are seeded with it."""
+    if isinstance(transform, (TrainView, BoxCrop)):
+        return transform(img, seed)
+    seed_host(seed)
+    return transform(img)
 
 
 def seed_host(seed: int) -> None:

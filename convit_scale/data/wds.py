@@ -35,7 +35,7 @@ from .faults import DECODE_ERRORS, CropDecodeError, DataError, limit_bad_samples
 from .geometry import EpochGeometry, LoaderSpec, eval_positions, slot_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
 from .shards import shard_samples, shard_url, shuffle_buffer
-from .transforms import build_eval_transform, build_train_transform, image_opener, seed_host
+from .transforms import build_eval_transform, build_train_transform, image_opener, transform_view
 from .workers import iterate, loader_options
 
 __all__ = ["WdsLoader", "lanes_per_group"]
@@ -66,9 +66,8 @@ def decode_chunk(chunk: list, seeds, transform, replacement, where: str):
             except DECODE_ERRORS as e:
                 reason = f"undecodable image ({reason_of(e)})"
         if reason is None:
-            seed_host(int(seeds[i]))
             try:
-                images[i], labels[i] = transform(img), label
+                images[i], labels[i] = transform_view(transform, img, int(seeds[i])), label
                 continue
             except CropDecodeError as e:
                 reason = f"undecodable image ({reason_of(e.__cause__)})"
@@ -78,8 +77,7 @@ def decode_chunk(chunk: list, seeds, transform, replacement, where: str):
         if found is None:
             raise DataError(f"{record['shard']}: no readable sample in {where} (key {record['key']}: "
                             f"{record['reason']})")
-        seed_host(int(seeds[i]))
-        images[i], labels[i] = transform(found[0]), found[1]
+        images[i], labels[i] = transform_view(transform, found[0], int(seeds[i])), found[1]
     return images, labels, list(failed.values())
 
 

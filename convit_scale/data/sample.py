@@ -1,0 +1,64 @@
+"""The sample contract: what every loader (``imagefolder.py``, ``wds.py``, ``ffcv.py``), in every hand-over mode
+(``LoaderSpec.handover``), does with a training view, said once so that the formats and modes cannot drift apart.
+
+- Which views a rank reads in an epoch, at which canonical positions, with which padding, and from where a resume
+  continues (``start_batch``): ``geometry.py`` (``EpochGeometry``, ``LoaderSpec``) over ``order.py``'s permutation.
+- A view's seed, a function of (run seed, epoch, canonical position) only: ``view_seeds`` (``order.py``).
+- Its RandomResizedCrop box and its horizontal flip, drawn from the seed alone (splitmix64, ``splitmix_numba.py``):
+  ``crop_box`` and ``flipped``, compiled, so the FFCV decoders call them inside their numba stages and the other
+  loaders from Python: a view gets the same box and flip in every format and mode, and the same box whatever
+  consumed the host generators before it.
+- What its augmentation after the crop draws from: the host generators seeded by the view's seed (``seed_host``):
+  timm's transform in ImageFolder and WebDataset; in FFCV, ``private_aug.py``'s private generators that draw
+  alike; on the device, counter-based draws of the seed (``device_augment.py``).
+- A view whose image cannot be read or decoded takes the next view that can (``faults.next_good``) of its canonical
+  group (FFCV, the device's decoder: the batch's group; WebDataset: the group's partition stream; ImageFolder: the
+  next file of the split), cropped and flipped with its own seed, and is listed in ``Batch.bad``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ..splitmix_numba import FLIP_DRAW, uniform
+from .faults import next_good
+from .order import view_seeds
+
+__all__ = ["crop_box", "flipped", "next_good", "seeded_crop", "view_seeds"]
+
+
+@numba.njit(nogil=True)
+def seeded_crop(height, width, scale, log_ratio, view_seed):
+    """RandomResizedCrop's parameters (i, j, h, w), as torchvision and timm draw them (10 attempts of an area in
+    ``scale`` and a log-uniform ratio, else the centre crop of the clamped ratio), each draw a splitmix draw of the
+    view's seed."""
+    area = height * width
+    for attempt in range(10):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * uniform(view_seed, 4 * attempt))
+        aspect_ratio = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * uniform(view_seed, 4 * attempt + 1))
+        w = int(round(np.sqrt(target_area * aspect_ratio)))
+        h = int(round(np.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = int(uniform(view_seed, 4 * attempt + 2) * (height - h + 1))
+            j = int(uniform(view_seed, 4 * attempt + 3) * (width - w + 1))
+            return i, j, h, w
+    in_ratio = float(width) / float(height)  # fallback: the centre crop of the clamped ratio
+    w, h = int(width), int(height)
+    if in_ratio < np.exp(log_ratio[0]):
+        h = int(round(w / np.exp(log_ratio[0])))
+    elif in_ratio > np.exp(log_ratio[1]):
+        w = int(round(h * np.exp(log_ratio[1])))
+    return (int(height) - h) // 2, (int(width) - w) // 2, h, w
+
+
+@numba.njit(nogil=True)
+def flipped(view_seed, p):
+    """Whether the view is flipped horizontally (probability ``p``)."""
+    return uniform(view_seed, FLIP_DRAW) < p
+
+
+def crop_box(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple:
+    """``seeded_crop`` from Python: the (i, j, h, w) box of a ``height`` x ``width`` image for the view ``seed``."""
+    return seeded_crop(np.uint32(height), np.uint32(width), np.array(scale, dtype=np.float64),
+                       np.log(np.array(ratio, dtype=np.float64)), np.uint64(seed))
