@@ -80,7 +80,7 @@ class Boxes:
                      torch.cat([p.flips for p in parts]))
 
     def pin_memory(self) -> "Boxes":
-        return Boxes(self.pixels.pin_memory(), self.sizes, self.flips.pin_memory())
+        return Boxes(self.pixels.pin_memory(), self.sizes.pin_memory(), self.flips.pin_memory())
 
     def __getstate__(self):
         return self.pixels, self.sizes, self.flips

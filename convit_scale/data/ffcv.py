@@ -154,7 +154,7 @@ class FfcvLoader:
             # happens on the training device (device_augment), not in this thread, which every batch passes through.
             # With pinning, the one copy goes straight into page-locked memory (clone, then pin, would be two).
             if self.spec.handover != "pixels":  # packed into a batch of their own: the rows are ffcv's buffers
-                images = unpack_views(images, self.spec.handover)
+                images = unpack_views(images, self.spec.handover, self.spec.pin_memory)
             else:
                 images = (torch.empty_like(images, pin_memory=True).copy_(images) if self.spec.pin_memory
                           else images.clone())

@@ -330,13 +330,13 @@ class SeededJpegDecoder(_HandoverDecoder):
         return decode
 
 
-def unpack_views(rows: torch.Tensor, kind: str):
-    """The ``batch.Boxes`` ("box") or ``batch.Encoded`` ("jpeg") of a batch of handed-over output rows."""
+def unpack_views(rows: torch.Tensor, kind: str, pin: bool = False):
+    """The ``batch.Boxes`` ("box") or ``batch.Encoded`` ("jpeg") of a batch of handed-over output rows (ffcv's
+    buffers, reused), their payloads copied once, into page-locked memory with ``pin`` (a copy to the GPU)."""
     words = rows[:, :36].contiguous().view(torch.int32).long()
+    lengths = (words[:, 0] * words[:, 1] * 3 if kind == "box" else words[:, 0]).tolist()
+    payload = torch.empty(sum(lengths), dtype=torch.uint8, pin_memory=pin)
+    torch.cat([rows[b, HEADER:HEADER + n] for b, n in enumerate(lengths)], out=payload)
     if kind == "box":
-        sizes, flips = words[:, :2], words[:, 2].bool()
-        lengths = (sizes[:, 0] * sizes[:, 1] * 3).tolist()
-        return Boxes(torch.cat([rows[b, HEADER:HEADER + n] for b, n in enumerate(lengths)]), sizes.clone(), flips)
-    meta, flips = words[:, :8], words[:, 8].bool()
-    return Encoded(torch.cat([rows[b, HEADER:HEADER + n] for b, n in enumerate(meta[:, 0].tolist())]), meta.clone(),
-                   flips)
+        return Boxes(payload, words[:, :2].clone(), words[:, 2].bool())
+    return Encoded(payload, words[:, :8].clone(), words[:, 8].bool())
