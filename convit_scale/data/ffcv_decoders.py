@@ -238,16 +238,20 @@ def _put(row, word, value):
 
 
 @numba.njit(nogil=True)
-def _copy_box(scratch, stride, i, j, h, w, out):
-    """The (h, w) box at row i, column j of ``scratch`` (RGB rows ``stride`` pixels wide) into ``out``, compact."""
+def _compact_box(buf, stride, i, j, h, w):
+    """The (h, w) box at row i, column j of ``buf`` (RGB rows ``stride`` pixels wide) moved to its start, compact, in
+    place (every byte moves towards the start: a forward copy)."""
+    if i == 0 and j == 0 and stride == w:
+        return
     for r in range(h):
-        src = ((i + r) * stride + j) * 3
-        out[r * w * 3:(r + 1) * w * 3] = scratch[src:src + w * 3]
+        src, dst = ((i + r) * stride + j) * 3, r * w * 3
+        for k in range(w * 3):
+            buf[dst + k] = buf[src + k]
 
 
 class _HandoverDecoder(RandomResizedCropRGBImageDecoder):
     """A train view handed over to the training device (``device_images.py``): one output row per view of
-    ``HEADER`` bytes and ``payload`` bytes at most, and a scratch row per slot for a box decoder."""
+    ``HEADER`` bytes and ``payload`` bytes at most (the largest image: a box is decoded into its row)."""
 
     def __init__(self, flip_prob: float, scale=(0.08, 1.0), group: int = 0):
         super().__init__((1, 1), scale=tuple(scale), ratio=(3 / 4, 4 / 3))
@@ -260,9 +264,7 @@ class _HandoverDecoder(RandomResizedCropRGBImageDecoder):
         self.max_width = np.uint64(self.metadata["width"].max())
         self.max_height = np.uint64(self.metadata["height"].max())
         shape, dtype = (HEADER + self.payload(),), np.dtype("<u1")
-        largest = np.uint64(self.max_height) * np.uint64(self.max_width) * np.uint64(3)
-        return (replace(previous_state, jit_mode=True, shape=shape, dtype=dtype),
-                (AllocationQuery(shape, dtype), SlotScratch((largest,), dtype)))
+        return replace(previous_state, jit_mode=True, shape=shape, dtype=dtype), (AllocationQuery(shape, dtype),)
 
 
 class SeededBoxDecoder(_HandoverDecoder):
@@ -276,12 +278,13 @@ class SeededBoxDecoder(_HandoverDecoder):
         decode_or_next = _decode_or_next(self.memory_read, self.group, _train_box(scale, log_ratio))
 
         def decode(batch_indices, my_storage, metadata, storage_state):
-            destination, scratch = my_storage[0], my_storage[1][0]
+            destination = my_storage[0]
             for dst_ix in range(len(batch_indices)):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
-                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed)
-                row = destination[dst_ix]
-                _copy_box(scratch, stride, i, j, h, w, row[HEADER:])
+                row = destination[dst_ix]  # the box decoded straight into the view's row (a raw image: moved)
+                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, row[HEADER:],
+                                                    view_seed)
+                _compact_box(row[HEADER:], stride, i, j, h, w)
                 _put(row, 0, h)
                 _put(row, 1, w)
                 _put(row, 2, 1 if flipped(view_seed, flip_prob) else 0)
