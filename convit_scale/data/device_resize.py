@@ -31,6 +31,7 @@ to its own largest box. A batch of 256 typical ImageNet boxes is one or two chun
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -344,12 +345,23 @@ class Decoded:
     """Batch index -> reason, for bytes no decoder could read (for the loader's replacement rule, ``faults.py``)."""
 
 
+# torchvision 0.29 warns on every decode that torchcodec succeeds it (not installed here, nor nvImageCodec or DALI):
+# said once here, not per batch (a filter of its own: warnings.catch_warnings is not thread-safe)
+warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision are deprecated",
+                        DeprecationWarning)
+
+
+def _decode(data, device: torch.device):
+    """torchvision's ``decode_jpeg`` in RGB (greyscale and CMYK converted): nvJPEG on CUDA, batched for a list."""
+    return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
 def _decode_each(encoded: list[torch.Tensor], device: torch.device) -> tuple[list, int, dict[int, str]]:
     """Decode one at a time (after the batch decode raised): the device's decoder, else PIL on the CPU."""
     out, refused, failed = [], 0, {}
     for i, data in enumerate(encoded):
         try:
-            out.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+            out.append(_decode(data, device))
             continue
         except RuntimeError:
             pass
@@ -406,7 +418,7 @@ def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: i
     if not encoded:
         return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), 0)
     try:
-        decoded, refused, failed = decode_jpeg(list(encoded), mode=ImageReadMode.RGB, device=device), 0, {}
+        decoded, refused, failed = _decode(list(encoded), device), 0, {}
     except RuntimeError:
         decoded, refused, failed = _decode_each(encoded, device)
     if len(failed) == len(encoded):
