@@ -116,6 +116,9 @@ def test_bad_input_is_refused_with_a_clear_error(images):
         resize_packed(flat[:-1], sizes, SIZE)
     with pytest.raises(ValueError, match="flips must be"):
         resize_packed(flat, sizes, SIZE, torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="over 64 x size=4"):
+        resize_packed(torch.zeros(257 * 3, dtype=torch.uint8), torch.tensor([(1, 257)]), 4)
+    assert resize_packed(torch.zeros(256 * 3, dtype=torch.uint8), torch.tensor([(1, 256)]), 4).shape == (1, 3, 4, 4)
     with pytest.raises(ValueError, match="3 channels"):
         resize_list([torch.zeros((4, 5, 6), dtype=torch.uint8)], SIZE)
 

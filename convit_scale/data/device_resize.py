@@ -24,9 +24,10 @@ chunks of their own.
 
 Kernel launches per call do not grow with the batch: the weights are built for all images at once, each pass is one
 ``bmm``, the boxes are padded by one gather of row windows. Only the memory bound splits a batch: images are sorted
-by size and cut into chunks of at most ``CHUNK_BYTES`` of working memory (``bytes_per_image``: about
-12 HW + 12 SW + 36 HS bytes for a box padded to H x W resized to S, 8.4 MB at 500 x 500 -> 224), each chunk padded
-to its own largest box. A batch of 256 typical ImageNet boxes is one or two chunks.
+by size and cut into chunks of at most ``CHUNK_BYTES`` of working memory (``bytes_per_image``: for a box padded to
+H x W resized to S, about 15 HW + 12 SW + 36 HS bytes, 9.1 MB at 500 x 500 -> 224), each chunk padded to its own
+largest box. A batch of 256 RandomResizedCrop boxes of ImageNet-sized images (500 x 375) is one chunk of 255 and one
+of 1 at the default 2 GiB.
 """
 
 from __future__ import annotations
@@ -50,16 +51,20 @@ PRECISION_BITS = 22
 LIMBS = 3
 """The 8-bit limbs of a 22-bit weight (signed top limb)."""
 
+MAX_SCALE = 64
+"""The largest downscaling factor: PIL's bicubic then has 2 * ceil(2 * 64) + 1 = 257 taps, whose limb sums
+(257 x 255 x 255) stay below 2**24, float32's exact integers."""
+
 TALL = 100
 """PIL resizes an image more than this many times taller than wide (and shrunk vertically) vertically first."""
 
 
 def bytes_per_image(height: int, width: int, size: int) -> int:
-    """Peak working bytes of one image padded to ``height`` x ``width`` resized to ``size``: the larger of pass 1
-    (the uint8 box 3HW, float32 HCW box 12HW, limb weights 12SW, its output 36HS) and pass 2 (mid 12HS, weights 12SH,
-    output 36SS)."""
-    return max(15 * height * width + 12 * size * width + 36 * height * size,
-               24 * height * size + 48 * size * size)
+    """Peak working bytes of one image padded to ``height`` x ``width`` resized to ``size`` (H, W, S): the largest of
+    pass 1's product (uint8 box 3HW, float32 box 12HW, limb weights 12SW, output 36HS), its rounding (output and the
+    8-bit image 12HS), pass 2's product (that image, weights 12SH, output 36SS) and its rounding (12SS more)."""
+    h, w, s = height, width, size
+    return max(15 * h * w + 12 * s * w + 36 * h * s, 48 * h * s, 24 * h * s + 36 * s * s, 48 * s * s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -113,8 +118,8 @@ def _round_limbs(p0: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor) -> torch.
     """PIL's clip8((p2 * 2**16 + p1 * 2**8 + p0 + 2**21) >> 22) from the limbs' exact float32 sums, without leaving
     float32: carry p0 into p1 and p1 into p2 (each floor exact), then floor((p2' + 32) / 64) (the rest < 2**16 only
     adds a fraction below 1 to an integer)."""
-    q = torch.floor(p0 / 256)
-    q.add_(p1).div_(256).floor_().add_(p2).add_(32).div_(64).floor_()
+    q = p0.div(256)
+    q.floor_().add_(p1).div_(256).floor_().add_(p2).add_(32).div_(64).floor_()
     return q.clamp_(0.0, 255.0)
 
 
@@ -210,6 +215,10 @@ def _resize_rows(rows: _Rows, size: int, flips: torch.Tensor | None, out_dtype: 
                  budget: int) -> torch.Tensor:
     """Every image of ``rows`` resized to ``size`` (PIL's bicubic), flipped where ``flips``: (B, 3, S, S)."""
     dev, n = rows.flat.device, len(rows.hs)
+    largest = int(max(rows.hs.max(), rows.ws.max())) if n else 0
+    if largest > MAX_SCALE * size:
+        raise ValueError(f"an image of {largest} pixels on a side is over {MAX_SCALE} x size={size}: its resize's "
+                         f"sums would leave float32's exact integers; resize it in steps (e.g. to {MAX_SCALE * size})")
     chunks = _chunks(rows.hs, rows.ws, size, budget)
     order = np.concatenate([c for c, _ in chunks]) if chunks else np.zeros(0, np.int64)
     table = torch.from_numpy(np.stack([rows.base, rows.pitch_c, rows.pitch_y, rows.hs, rows.ws], 1).astype(np.int64))
@@ -256,7 +265,8 @@ def resize_packed(flat: torch.Tensor, sizes: torch.Tensor, size: int, flips: tor
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"flat must be a 1-D uint8 tensor; got {getattr(flat, 'dtype', type(flat).__name__)}, "
                          f"shape {tuple(getattr(flat, 'shape', ()))}")
-    if not isinstance(sizes, torch.Tensor) or sizes.dim() != 2 or sizes.shape[1] != 2:
+    if (not isinstance(sizes, torch.Tensor) or sizes.dim() != 2 or sizes.shape[1] != 2
+            or sizes.dtype.is_floating_point or sizes.dtype == torch.bool):
         raise ValueError(f"sizes must be an int tensor of shape (B, 2), rows (height, width); got "
                          f"{tuple(getattr(sizes, 'shape', ()))}")
     hw = sizes.detach().cpu().numpy().astype(np.int64)
