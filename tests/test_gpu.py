@@ -9,8 +9,10 @@ most 8 minutes on one H200 (docs/gpu.md counts their launches and steps), the fi
 - g2: the command end to end for each strategy (`convit-scale train` stopped by the signal, resumed, through the
   universal checkpoint for ZeRO, `export`, `eval` on the GPU, `analyze` for fsdp2).
 - g3: bf16 and fp16 against fp32, fp16 loss scaling, an injected infinite gradient skipped exactly, the flight
-  recorder's collectives in a hang report, the CUDA device augmentation equal to the CPU's.
-- g4: a tiny run that learns, `bench gate`, the device augmentation's throughput, FFCV batches pinned.
+  recorder's collectives in a hang report, the CUDA device augmentation equal to the CPU's, the device resize equal to
+  PIL's and nvJPEG's decode measured against PIL's.
+- g4: a tiny run that learns, `bench gate`, the device augmentation's and device resize's throughput, FFCV batches
+  pinned.
 - g5: `bench model` and `bench mfu` (ConViT-B+, compiled).
 - g6: two ranks against one under NCCL, which needs two GPUs (NCCL refuses two ranks on one GPU): FSDP2's sharded
   NCCL path (all-gather, reduce-scatter) is exercised only there, since FSDP2 skips both at world size 1.
@@ -380,6 +382,43 @@ def test_device_augmentation_on_cuda_equals_the_cpus():
     assert off.float().mean() < 1e-3, off.float().mean()  # float rounding may move a value by a level, rarely
 
 
+@pytest.mark.g3
+def test_device_resize_and_nvjpeg_decode_on_cuda():
+    """The batched resize on CUDA is PIL's exactly (TF32 or not: its sums are exact integers); nvJPEG's decode is
+    recorded against PIL's (another IDCT may differ), and the crops from it are PIL's resize of nvJPEG's own whole
+    image, exactly."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from test_jpeg import photo_like
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from convit_scale.data.device_resize import decode_crop_resize, resize_packed
+
+    rng = np.random.default_rng(0)
+    shapes = [(1, 1), (7, 300), (500, 375), (375, 500), (60, 61), (250, 2), (1200, 900)]
+    imgs = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in imgs])).cuda()
+    out = resize_packed(flat, torch.tensor(shapes), 224).cpu()
+    for a, o in zip(imgs, out):
+        assert np.array_equal(o.permute(1, 2, 0).numpy(), np.asarray(Image.fromarray(a).resize((224, 224), 3)))
+    buf = io.BytesIO()
+    Image.fromarray(photo_like(427, 640, seed=1)).save(buf, "JPEG", quality=90)
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    boxes = torch.tensor([(0, 0, 427, 640), (10, 20, 300, 280), (100, 200, 60, 80)])
+    res = decode_crop_resize([data] * 3, boxes, 224, None, "cuda")
+    assert res.refused == 0 and not res.failed
+    nv = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda").permute(1, 2, 0).cpu().numpy()
+    pil = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    for (t, left, h, w), got in zip(boxes.tolist(), res.images.cpu()):
+        want = np.asarray(Image.fromarray(nv[t:t + h, left:left + w]).resize((224, 224), 3))
+        assert np.array_equal(got.permute(1, 2, 0).numpy(), want)
+    d = np.abs(nv.astype(int) - pil)
+    _write("nvjpeg_vs_pil.json", {"max_abs_diff": int(d.max()), "mean_abs_diff": float(d.mean()),
+                                  "share_differing": float((d > 0).mean()), "device": torch.cuda.get_device_name()})
+
+
 # -- g4: learning, the gate, the device stage, FFCV -------------------------------------------------------------------
 
 
@@ -426,6 +465,46 @@ def test_device_augmentation_throughput():
     ips = 256 * 20 / (time.perf_counter() - t0)
     _write("device_augment.json", {"images_per_s": ips, "device": torch.cuda.get_device_name()})
     assert ips > 0
+
+
+@pytest.mark.g4
+def test_device_resize_and_decode_throughput():
+    """256 RandomResizedCrop boxes of ImageNet-sized JPEGs (500 x 375): resized on the GPU from the boxes' pixels,
+    and decoded + cropped + resized there (nvJPEG), images/s of each."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from test_jpeg import photo_like
+
+    from convit_scale.bench.pixels import _boxes
+    from convit_scale.data.device_resize import decode_crop_resize, resize_packed
+
+    rng = np.random.default_rng(0)
+    photos = [photo_like(375, 500, seed=k) if k % 2 else photo_like(500, 375, seed=k) for k in range(8)]
+    boxes = [(k % 8, *_boxes(*photos[k % 8].shape[:2], 1, rng)[0]) for k in range(256)]
+    flat = torch.from_numpy(np.concatenate([photos[p][i:i + h, j:j + w].reshape(-1) for p, i, j, h, w in boxes]))
+    flat, sizes = flat.cuda(), torch.tensor([(h, w) for _, _, _, h, w in boxes])
+    encoded = []
+    for p in photos:
+        buf = io.BytesIO()
+        Image.fromarray(p).save(buf, "JPEG", quality=90)
+        encoded.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    jpegs, crop = [encoded[p] for p, *_ in boxes], torch.tensor([b[1:] for b in boxes])
+    flips = torch.arange(256) % 2 == 0
+    result = {"device": torch.cuda.get_device_name()}
+    for name, call in (("resize", lambda: resize_packed(flat, sizes, 224, flips)),
+                       ("decode_crop_resize", lambda: decode_crop_resize(jpegs, crop, 224, flips, "cuda"))):
+        call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+        result[f"{name}_images_per_s"] = 256 * 10 / (time.perf_counter() - t0)
+    result["resize_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    _write("device_resize.json", result)
+    assert all(v > 0 for k, v in result.items() if k.endswith("_per_s"))
 
 
 @pytest.mark.g4

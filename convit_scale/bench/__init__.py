@@ -43,7 +43,8 @@ def _run(args) -> dict:
         from .data import _sample_photographs
         from .pixels import pixel_fidelity
 
-        return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes)
+        return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes,
+                              device=args.device)
     if args.what == "data":
         from .data import bench_crop_decode, bench_data
 

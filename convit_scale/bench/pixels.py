@@ -9,7 +9,11 @@ timm's pixels are the reference (PIL decode; ``F.resized_crop`` bicubic for a Ra
   centre square of 0.875 of the shorter side, then resized);
 - ``ffcv_own_384_q90``: the earlier default end to end: the image shrunk to a 384-pixel side (INTER_AREA) and
   re-encoded at JPEG quality 90 by ffcv's writer, then ffcv's own decoders, the box scaled to the smaller image;
-- ``decode_only``: the whole image decoded by ffcv's ``imdecode`` against PIL, no resize.
+- ``decode_only``: the whole image decoded by ffcv's ``imdecode`` against PIL, no resize;
+- ``device_resize`` (train crops): the loader's decode of each box (as above), all of a photograph's boxes resized
+  as one batch on ``device`` (``data/device_resize.py`` ``resize_packed``);
+- ``device_decode`` (train crops): the JPEG's bytes decoded, cropped and resized as one batch on ``device``
+  (``decode_crop_resize``: nvJPEG on CUDA, torchvision's libjpeg-turbo on the CPU).
 
 Numbers: mean absolute difference in pixel levels (0-255) over every channel of every output pixel, its maximum,
 and the share of values that differ. Not a timing: it runs in this process.
@@ -22,11 +26,13 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 import torchvision.transforms.functional as F
 from PIL import Image
 from timm.data import create_transform
 from torchvision.transforms import InterpolationMode
 
+from ..data.device_resize import decode_crop_resize, resize_packed
 from ..data.resample import FILTERS, eval_short_side, resized_center_crop, resized_crop
 from ..ffcv_threads import importing_ffcv
 from ..jpeg import decode_rgb
@@ -107,13 +113,31 @@ def _ours(data: bytes, h: int, w: int):
     return crop, eval_view
 
 
-def pixel_fidelity(photos: list[Path], boxes: int = 200, seed: int = 0, crop_ratio: float = 0.875) -> dict:
-    """The comparison of the module docstring over ``boxes`` crop boxes per photograph and its eval view."""
+def _on_device(data: bytes, h: int, w: int, boxes: list, device: str) -> tuple[np.ndarray, np.ndarray]:
+    """The photograph's train crops for ``boxes`` by the two device modes, (n, S, S, 3) uint8 each."""
+    src = np.empty(h * w * 3, np.uint8)
+    if decode_rgb(np.frombuffer(data, np.uint8), src, h, w) != 0:
+        raise ValueError("turbojpeg refused the photograph")
+    src = src.reshape(h, w, 3)
+    flat = np.concatenate([src[i:i + ch, j:j + cw].reshape(-1) for i, j, ch, cw in boxes])
+    sizes = torch.tensor([(ch, cw) for _, _, ch, cw in boxes])
+    resized = resize_packed(torch.from_numpy(flat).to(device), sizes, SIZE)
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    decoded = decode_crop_resize([encoded] * len(boxes), torch.tensor(boxes), SIZE, None, device)
+    if decoded.refused or decoded.failed:
+        raise ValueError(f"the device's decoder refused the photograph: {decoded}")
+    return (resized.permute(0, 2, 3, 1).cpu().numpy(), decoded.images.permute(0, 2, 3, 1).cpu().numpy())
+
+
+def pixel_fidelity(photos: list[Path], boxes: int = 200, seed: int = 0, crop_ratio: float = 0.875,
+                   device: str = "cpu") -> dict:
+    """The comparison of the module docstring over ``boxes`` crop boxes per photograph and its eval view; the
+    device modes run on ``device``."""
 
     rng, own = np.random.default_rng(seed), _FfcvOwn()
     timm_eval = create_transform(SIZE, is_training=False, interpolation="bicubic", crop_pct=crop_ratio,
                                  use_prefetcher=True)
-    train = {k: _Stats() for k in ("loader", "ffcv_own", "ffcv_own_384_q90")}
+    train = {k: _Stats() for k in ("loader", "ffcv_own", "ffcv_own_384_q90", "device_resize", "device_decode")}
     evals = {k: _Stats() for k in ("loader", "ffcv_own", "ffcv_own_384_q90")}
     decode = _Stats()
     for path in photos:
@@ -126,8 +150,12 @@ def pixel_fidelity(photos: list[Path], boxes: int = 200, seed: int = 0, crop_rat
         decode.add(fast, rgb)
         small_data, (sh, sw) = own.reencoded(rgb)
         small = own.decode(small_data, sh, sw)
-        for i, j, ch, cw in _boxes(h, w, boxes, rng):
+        photo_boxes = _boxes(h, w, boxes, rng)
+        resized, decoded = _on_device(data, h, w, photo_boxes, device)
+        for k, (i, j, ch, cw) in enumerate(photo_boxes):
             ref = np.asarray(F.resized_crop(img, i, j, ch, cw, [SIZE, SIZE], InterpolationMode.BICUBIC))
+            train["device_resize"].add(resized[k], ref)
+            train["device_decode"].add(decoded[k], ref)
             train["loader"].add(crop(i, j, ch, cw), ref)
             train["ffcv_own"].add(own.crop(fast, i, j, ch, cw), ref)
             si, sj = round(i * sh / h), round(j * sw / w)  # the same region of the shrunk image
@@ -138,6 +166,7 @@ def pixel_fidelity(photos: list[Path], boxes: int = 200, seed: int = 0, crop_rat
         evals["ffcv_own"].add(own.eval_view(fast, crop_ratio), ref)
         evals["ffcv_own_384_q90"].add(own.eval_view(small, crop_ratio), ref)
     return {"photos": [str(p) for p in photos], "boxes_per_photo": boxes, "size": SIZE, "crop_ratio": crop_ratio,
+            "device": str(device),
             "train_crop": {k: v.result() for k, v in train.items()},
             "eval_view": {k: v.result() for k, v in evals.items()},
             "decode_only_ffcv_imdecode": decode.result()}

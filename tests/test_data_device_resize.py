@@ -1,0 +1,176 @@
+"""The batched device resize (data/device_resize.py) is PIL's bicubic resize, image for image: against PIL on odd sizes,
+flips, independent of the batch around an image, in a number of kernels that does not grow with the batch; the
+device decode's crops are timm's pixels, and files its decoder refuses are decoded by PIL and counted."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as F
+from PIL import Image
+from test_jpeg import encode, photo_like
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchvision.transforms import InterpolationMode
+
+from convit_scale.data.device_resize import decode_crop_resize, resize_list, resize_packed
+
+SIZE = 32
+# upscale, 1-pixel edges, downscale by large factors, non-square, PIL's vertical-first rule (h > 100 w, shrunk)
+SHAPES = [(1, 1), (1, 9), (9, 1), (5, 3), (40, 30), (32, 32), (33, 31), (1000, 23), (23, 1000), (250, 2),
+          (300, 3), (201, 2), (2, 250), (120, 360), (64, 17)]
+
+
+def _pil(pixels: np.ndarray, flip: bool = False) -> np.ndarray:
+    out = np.asarray(Image.fromarray(pixels).resize((SIZE, SIZE), Image.BICUBIC))
+    return out[:, ::-1] if flip else out
+
+
+def _packed(images):
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in images]))
+    return flat, torch.tensor([a.shape[:2] for a in images])
+
+
+def _hwc(t: torch.Tensor) -> np.ndarray:
+    return t.permute(1, 2, 0).numpy()
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in SHAPES]
+
+
+def test_resize_packed_is_pils_bicubic_resize_with_flips(images):
+    flips = torch.tensor([i % 3 == 1 for i in range(len(images))])
+    out = resize_packed(*_packed(images), SIZE, flips)
+    assert out.shape == (len(images), 3, SIZE, SIZE) and out.dtype == torch.uint8
+    for img, o, f in zip(images, out, flips.tolist()):
+        diff = np.abs(_hwc(o).astype(int) - _pil(img, f)).max()
+        assert diff == 0, f"{img.shape[:2]} flip={f}: {diff} levels from PIL"
+    as_float = resize_packed(*_packed(images), SIZE, flips, out_dtype=torch.float32)
+    assert as_float.dtype == torch.float32 and torch.equal(as_float, out.float())
+
+
+def test_an_image_does_not_depend_on_its_batch_or_chunks(images):
+    """Alone, beside larger images (more padding), in another order, in chunks of one image: the same bytes."""
+    alone = [resize_packed(*_packed([img]), SIZE)[0] for img in images[4:7]]
+    big = np.full((700, 650, 3), 255, np.uint8)
+    mixed = [big, images[4], images[0], images[5], big, images[6]]
+    batch = resize_packed(*_packed(mixed), SIZE)
+    chunked = resize_packed(*_packed(mixed), SIZE, chunk_bytes=1)
+    assert torch.equal(batch, chunked)
+    for a, b in zip(alone, batch[[1, 3, 5]]):
+        assert torch.equal(a, b)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run kernels (views only make metadata: resize_list makes one per image)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(call) -> int:
+    with _OpCounter() as counter:
+        call()
+    return counter.ops
+
+
+def test_the_number_of_ops_does_not_grow_with_the_batch():
+    rng = np.random.default_rng(1)
+    shapes = [(int(rng.integers(8, 60)), int(rng.integers(8, 60))) for _ in range(16)]
+    imgs = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
+    flips = torch.from_numpy(rng.random(16) < 0.5)
+    (small, small_sizes), (large, large_sizes), few = _packed(imgs[:2]), _packed(imgs), flips[:2].clone()
+    counts = _ops(lambda: resize_packed(small, small_sizes, SIZE, few)), _ops(
+        lambda: resize_packed(large, large_sizes, SIZE, flips))
+    assert counts[0] == counts[1] and counts[0] < 300, counts
+    views = [torch.from_numpy(a).permute(2, 0, 1).contiguous()[:, 1:, 2:] for a in imgs]
+    two = views[:2]
+    assert _ops(lambda: resize_list(two, SIZE)) == _ops(lambda: resize_list(views, SIZE))
+
+
+def test_resize_list_takes_crop_views_in_either_layout(images):
+    """Crops of CHW images (views), HWC images, and a list mixing both: resize_packed's output for the same boxes."""
+    boxes = [(0, 0, 1, 1), (3, 2, 20, 9), (1, 1, 31, 29), (0, 5, 30, 25)]
+    full = [img for img in images if img.shape[0] >= 31 and img.shape[1] >= 30][:4]
+    crops = [f[t:t + h, left:left + w] for f, (t, left, h, w) in zip(full, boxes)]
+    want = resize_packed(*_packed([np.ascontiguousarray(c) for c in crops]), SIZE)
+    chw = [torch.from_numpy(f).permute(2, 0, 1).contiguous() for f in full]
+    views = [c[:, t:t + h, left:left + w] for c, (t, left, h, w) in zip(chw, boxes)]
+    assert torch.equal(resize_list(views, SIZE), want)
+    hwc = [torch.from_numpy(c) for c in crops]
+    assert torch.equal(resize_list(hwc, SIZE, layout="HWC"), want)
+    assert torch.equal(resize_list([views[0], hwc[1], views[2], hwc[3]], SIZE), want)
+
+
+def test_bad_input_is_refused_with_a_clear_error(images):
+    flat, sizes = _packed(images[:3])
+    with pytest.raises(ValueError, match="flat holds"):
+        resize_packed(flat[:-1], sizes, SIZE)
+    with pytest.raises(ValueError, match="flips must be"):
+        resize_packed(flat, sizes, SIZE, torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="over 64 x size=4"):
+        resize_packed(torch.zeros(257 * 3, dtype=torch.uint8), torch.tensor([(1, 257)]), 4)
+    assert resize_packed(torch.zeros(256 * 3, dtype=torch.uint8), torch.tensor([(1, 256)]), 4).shape == (1, 3, 4, 4)
+    with pytest.raises(ValueError, match="3 channels"):
+        resize_list([torch.zeros((4, 5, 6), dtype=torch.uint8)], SIZE)
+
+
+def _timm_crop(data: bytes, box, flip: bool) -> np.ndarray:
+    """timm's train crop for this box: PIL's decode, ``F.resized_crop`` bicubic, then the flip."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    out = np.asarray(F.resized_crop(img, *box, [SIZE, SIZE], InterpolationMode.BICUBIC))
+    return out[:, ::-1] if flip else out
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def jpegs():
+    rgb = photo_like(90, 120, seed=3)
+    return {"4:2:0": encode(rgb, quality=90), "progressive": encode(rgb, quality=80, progressive=True),
+            "grey": encode(rgb, mode="L", quality=90), "cmyk": encode(rgb, mode="CMYK", quality=90),
+            "4:4:4": encode(photo_like(70, 50, seed=4), quality=95, subsampling=0)}
+
+
+def test_decode_crop_resize_gives_timms_pixels(jpegs):
+    """torchvision's CPU decoder standing in for nvJPEG decodes as PIL does here (the same libjpeg-turbo IDCT:
+    0 levels apart), so the crops are timm's exactly; greyscale comes out in 3 channels."""
+    names = list(jpegs)
+    boxes = torch.tensor([(5, 7, 60, 80), (0, 0, 90, 120), (30, 40, 12, 9), (1, 2, 88, 117), (10, 3, 40, 44)])
+    flips = torch.tensor([True, False, True, False, True])
+    res = decode_crop_resize([_tensor(jpegs[k]) for k in names], boxes, SIZE, flips, "cpu")
+    assert res.refused == 0 and res.failed == {} and res.images.shape == (5, 3, SIZE, SIZE)
+    for k, img, box, f in zip(names, res.images, boxes.tolist(), flips.tolist()):
+        assert np.abs(_hwc(img).astype(int) - _timm_crop(jpegs[k], box, f)).max() == 0, k
+
+
+def test_a_file_the_decoder_refuses_is_decoded_by_pil_and_counted(jpegs):
+    """A PNG under a .JPEG name (ImageNet has one) is refused by the JPEG decoder, which raises for the whole batch:
+    the batch is decoded one by one, the PNG by PIL (counted); truncated bytes no decoder reads are listed."""
+    png = io.BytesIO()
+    Image.fromarray(photo_like(40, 50, seed=5)).save(png, "PNG")
+    png = png.getvalue()
+    truncated = jpegs["4:2:0"][: len(jpegs["4:2:0"]) // 2]
+    data = [jpegs["4:2:0"], png, truncated, jpegs["grey"]]
+    boxes = torch.tensor([(5, 7, 60, 80), (2, 3, 30, 40), (0, 0, 10, 10), (0, 0, 90, 120)])
+    res = decode_crop_resize([_tensor(d) for d in data], boxes, SIZE, None, torch.device("cpu"))
+    assert res.refused == 1
+    assert list(res.failed) == [2] and "truncated" in res.failed[2]
+    assert int(res.images[2].max()) == 0
+    for i in (0, 1, 3):
+        assert np.abs(_hwc(res.images[i]).astype(int) - _timm_crop(data[i], boxes[i].tolist(), False)).max() == 0
+
+
+def test_a_box_outside_its_image_is_refused(jpegs):
+    with pytest.raises(ValueError, match=r"boxes\[0\].*not inside its image of 90 x 120"):
+        decode_crop_resize([_tensor(jpegs["4:2:0"])], torch.tensor([(50, 0, 60, 10)]), SIZE, None, "cpu")
