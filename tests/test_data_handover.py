@@ -82,6 +82,20 @@ def test_a_view_the_device_cannot_decode_takes_the_next_of_its_group():
     assert abs(int(x[1, 0].float().mean()) - 200) <= 3 and abs(int(x[3].float().mean()) - 99) <= 1
 
 
+def test_a_file_the_device_decoder_refuses_is_decoded_on_the_host_and_counted():
+    from convit_scale.data import device_images
+
+    png = io.BytesIO()
+    Image.new("RGB", (12, 10), (30, 60, 90)).save(png, format="PNG")  # a PNG named .JPEG: torchvision refuses it
+    before = device_images.REFUSED[0]
+    views = Encoded.of([(png.getvalue(), Encoded.JPEG, (10, 12), (0, 0, 10, 12), False),
+                        (_jpeg((10, 200, 10)), Encoded.JPEG, (16, 20), (0, 0, 16, 20), False)])
+    batch = Batch(views, torch.tensor([4, 5]), ids=["p", "j"])
+    x, y = batch_on_device(batch, CPU, 8, group=2)
+    assert device_images.REFUSED[0] == before + 1 and not batch.bad and y.tolist() == [4, 5]
+    assert x[0, :, 0, 0].tolist() == [30, 60, 90]
+
+
 def test_where_the_work_runs_is_resolved_and_refused_before_any_process():
     cuda = torch.device("cuda")
     assert handover_of(DataConfig(), cuda) == "box" and handover_of(DataConfig(), CPU) == "pixels"

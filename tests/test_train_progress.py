@@ -18,6 +18,8 @@ def test_a_step_line_says_step_loss_lr_speed_eta_and_memory():
     assert "crop decoder" not in step_line({**REC, "crop_boxes_decoded": 5000, "crop_decode_refused": 0}, 1000)
     assert step_line({**REC, "crop_decode_refused": 3}, 1000).endswith(
         "| grad norm 1.23 | crop decoder refused 3 JPEG(s) since the start")
+    assert step_line({**REC, "device_decode_refused": 2}, 1000).endswith(
+        "| device decoder refused 2 JPEG(s), decoded on the host")
 
 
 def test_lines_on_rank_zero_off_a_terminal_and_nothing_elsewhere(capsys):

@@ -19,16 +19,11 @@ other modes) and listed with the batch's bad samples.
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import torch
-from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from .batch import Batch, Boxes, Encoded
-from .device_resize import resize_list, resize_packed
-from .faults import DECODE_ERRORS, DataError, next_good, reason_of
+from .device_resize import decode_crop_resize, resize_list, resize_packed
+from .faults import DataError, next_good
 
 
 def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,60 +43,35 @@ def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -
     return out, labels
 
 
+REFUSED = [0]
+"""JPEGs the device's decoder refused that PIL decoded on the host, in this process (the training log counts them)."""
+
+
 def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch.Tensor, dict]:
-    """The views decoded on ``device`` (JPEGs in one batched call), cropped, resized to ``size`` and flipped, and
-    {index: bad-sample record} of those that did not decode anywhere (their images are zeros)."""
-    payloads, meta = views.payloads(), views.meta.tolist()
-    crops: list[torch.Tensor | None] = [None] * len(views)
-    failed: dict[int, dict] = {}
-    jpegs = [i for i, m in enumerate(meta) if m[1] == Encoded.JPEG]
-    for i, image in zip(jpegs, _decode_jpegs([payloads[i] for i in jpegs], device)):
-        if isinstance(image, str):
-            failed[i] = {"reason": f"undecodable JPEG ({image})"}
-        else:
-            crops[i] = image
-    for i, m in enumerate(meta):
-        if m[1] == Encoded.RAW:
-            crops[i] = payloads[i].view(m[2], m[3], 3).permute(2, 0, 1).to(device, non_blocking=True)
-    for i, m in enumerate(meta):
-        if crops[i] is not None:
-            top, left, h, w = m[4:8]
-            crops[i] = crops[i][:, top:top + h, left:left + w]
-    good = [i for i in range(len(views)) if crops[i] is not None]
-    if len(good) == len(views):
-        return resize_list(crops, size, views.flips.to(device, non_blocking=True)), failed
-    flips = views.flips[good].to(device)
-    out = torch.zeros(len(views), 3, size, size, dtype=torch.uint8, device=device)
-    if good:
-        out[torch.tensor(good, device=device)] = resize_list([crops[i] for i in good], size, flips)
+    """The views decoded on ``device`` (the JPEGs in one batched call, ``device_resize.decode_crop_resize``), cropped,
+    resized to ``size`` and flipped, and {index: bad-sample record} of those that decoded nowhere (zeros)."""
+    payloads, meta = views.payloads(), views.meta
+    jpeg = (meta[:, 1] == Encoded.JPEG).nonzero().squeeze(1).tolist()
+    if len(jpeg) == len(views):  # the usual batch: JPEGs only
+        done = decode_crop_resize(payloads, meta[:, 4:8], size, views.flips.to(device, non_blocking=True), device)
+        REFUSED[0] += done.refused
+        return done.images, {i: {"reason": f"undecodable JPEG ({why})"} for i, why in done.failed.items()}
+    out = torch.empty(len(views), 3, size, size, dtype=torch.uint8, device=device)
+    failed = {}
+    if jpeg:
+        done = decode_crop_resize([payloads[i] for i in jpeg], meta[jpeg, 4:8], size, views.flips[jpeg].to(device),
+                                  device)
+        REFUSED[0] += done.refused
+        out[torch.tensor(jpeg, device=device)] = done.images
+        failed = {jpeg[k]: {"reason": f"undecodable JPEG ({why})"} for k, why in done.failed.items()}
+    raw = [i for i in range(len(views)) if i not in set(jpeg)]  # images the loader decoded (not JPEGs)
+    crops = []
+    for i in raw:
+        _, _, height, width, top, left, h, w = meta[i].tolist()
+        crops.append(payloads[i].view(height, width, 3)[top:top + h, left:left + w].permute(2, 0, 1))
+    out[torch.tensor(raw, device=device)] = resize_list([c.to(device) for c in crops], size,
+                                                        views.flips[raw].to(device), layout="CHW")
     return out, failed
-
-
-def _decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> list:
-    """(3, H, W) uint8 images on ``device``, or the reason a payload decodes nowhere: the batch in one call of the
-    device's decoder; if it refuses the batch, each image alone, and those it refuses by PIL on the host."""
-    if not payloads:
-        return []
-    try:
-        return list(decode_jpeg(payloads, mode=ImageReadMode.RGB, device=device))
-    except RuntimeError:
-        pass
-    out = []
-    for data in payloads:
-        try:
-            out.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
-        except RuntimeError:
-            out.append(_host_decode(data, device))
-    return out
-
-
-def _host_decode(data: torch.Tensor, device: torch.device):
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-            pixels = np.asarray(img.convert("RGB"))
-    except DECODE_ERRORS as e:
-        return reason_of(e)
-    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).to(device)
 
 
 def _replace(images: torch.Tensor, labels: torch.Tensor, failed: dict, group: int):

@@ -16,6 +16,7 @@ import time
 
 from .. import comm, evaluation, faults, jpeg_roi
 from ..analysis.during_training import epoch_analysis
+from ..data import device_images
 from .checkpoint import save_best, save_checkpoint
 from .debug import checksum, state_digest
 from .memory import peak_memory_mb
@@ -41,7 +42,7 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
         grad_norm = res.grad_norm if res.grad_norm is not None or res.bad else run.strategy.reported_grad_norm()
         crops, (boxes0, refused0) = jpeg_roi.counts(), m.crop_counts_start
         ranks = comm.all_gather_object((round(peak_memory_mb(run.ctx.device), 1), crops["decoded"] - boxes0,
-                                        crops["refused"] - refused0))
+                                        crops["refused"] - refused0, device_images.REFUSED[0]))
         rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "loss": None if res.bad else res.loss,
                "lr": res.lr, "images_per_s": m.images_since_log / seconds, "step_time_s": seconds / m.steps_since_log,
                "grad_norm": grad_norm, "peak_mem_mb": [r[0] for r in ranks],
@@ -49,7 +50,9 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
                "skipped_steps": state.skipped_steps, "state_mem_mb": m.state_mem_mb,
                # the train crops decoded as boxes, and the JPEGs the crop-region decoder refused (decoded whole, or
                # replaced as bad samples), on all ranks since this start
-               "crop_boxes_decoded": sum(r[1] for r in ranks), "crop_decode_refused": sum(r[2] for r in ranks)}
+               "crop_boxes_decoded": sum(r[1] for r in ranks), "crop_decode_refused": sum(r[2] for r in ranks),
+               # data.decode_on: device: the JPEGs its decoder refused, decoded by PIL on the host instead
+               "device_decode_refused": sum(r[3] for r in ranks)}
         run.metrics.write(rec)
         m.last_log_time, m.images_since_log, m.steps_since_log = now, 0, 0
         progress.log_step(rec, run.total_steps)

@@ -17,13 +17,15 @@ def _duration(seconds: float) -> str:
 
 def step_line(rec: dict, total_steps: int) -> str:
     """A ``kind: train`` record of metrics.jsonl as one log line (step, epoch, loss, lr, images/s, step time, ETA,
-    peak memory of the ranks, and the JPEGs the crop-region decoder refused so far)."""
+    peak memory of the ranks, and the JPEGs the crop-region decoder, or the device's, refused so far)."""
     loss = "skipped (non-finite)" if rec["loss"] is None else f"{rec['loss']:.4f}"
     eta = _duration((total_steps - rec["step"]) * rec["step_time_s"])
     mem = max(rec["peak_mem_mb"]) if rec.get("peak_mem_mb") else 0.0
     norm = "" if rec.get("grad_norm") is None else f" | grad norm {rec['grad_norm']:.3g}"
     refused = rec.get("crop_decode_refused") or 0
     whole = f" | crop decoder refused {refused} JPEG(s) since the start" if refused else ""
+    on_host = rec.get("device_decode_refused") or 0
+    whole += f" | device decoder refused {on_host} JPEG(s), decoded on the host" if on_host else ""
     return (f"[convit-scale] step {rec['step']}/{total_steps} | epoch {rec['epoch']} | loss {loss} | lr "
             f"{rec['lr']:.3e} | {rec['images_per_s']:.0f} img/s | {rec['step_time_s']:.3f} s/step | eta {eta} | "
             f"mem {mem:.0f} MB{norm}{whole}")
