@@ -34,6 +34,12 @@ draws are seeded per view (``order.view_seeds``), the device's from the same see
 | Mixup / CutMix     | both   | mixup.py GroupMixup, per canonical group, on the device in train/step.py (after the   |
 |                    |        | device augmentation)                                                                  |
 
+With the augmentation on the device, the resize, or the decode and the resize, can move there too
+(``data.resize_on``, ``data.decode_on``; ``LoaderSpec.handover``): the train loaders then hand over the crop boxes at
+their own size (``batch.Boxes``) or the views undecoded (``batch.Encoded``), and ``device_images.py`` finishes them
+on the training device. Which views, their seeds, crop boxes and flips are the same in every format and mode
+(``sample.py``).
+
 Evaluation: the resize and centre crop in ffcv_decoders.py ``TimmEvalDecoder`` (ffcv; resample.py) or timm's eval
 transform (transforms.py ``build_eval_transform``: wds, imagefolder); normalisation there too (ffcv_decoders.py
 ``EvalNormalize`` for ffcv), or, with ``augment_on: device``, device_augment.py ``normalize`` called by
