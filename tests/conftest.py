@@ -38,7 +38,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 # `make test` runs the files on 2 pytest-xdist workers, a file per worker at a time (--dist loadfile: a file's
 # module fixtures are built once). The longest files go first so that none starts last and runs alone.
-LONGEST_FIRST = ["test_slurm.py", "test_train_engine.py", "test_train_distill.py", "test_train_elastic.py",
+LONGEST_FIRST = ["test_users_commands.py", "test_slurm.py", "test_train_engine.py", "test_train_distill.py",
+                 "test_train_elastic.py",
                  "test_train_engine_faults.py", "test_slurm_site.py", "test_data_other_tools.py",
                  "test_train_unequal.py", "test_slurm_host_python.py", "test_experiments_demo.py",
                  "test_experiments_sample_efficiency.py", "test_planner.py", "test_bench_mfu.py",
