@@ -47,3 +47,26 @@ def test_a_resumed_epoch_gives_the_same_batches_and_each_batch_its_views_seeds_a
     assert all(torch.equal(x, b.images) and torch.equal(y, b.labels) for (x, y, _), b in zip(resumed, batches[2:]))
     assert len(resumed) == len(batches) - 2
     assert not torch.equal(epoch_batches(loader, 1)[0][0], batches[0].images)  # another epoch, another order and crops
+
+
+def test_an_unreadable_training_file_takes_the_next_view_of_its_canonical_group(tmp_path):
+    """Groups of 5 views: the view of an unreadable file takes the next readable view of its own group (the last view
+    of a group: the group's first), with that view's label and its own seed's crop."""
+    from data_prep.fashion_mnist import build_tree
+
+    root = build_tree(tmp_path / "tree", {"train": 3, "val": 1})
+    d = DataConfig(format="imagefolder", train_path=str(root), val_path=str(root), num_workers=0, repeated_aug=1)
+    spec = LoaderSpec("train", 28, 10, global_batch_size=10, canonical_groups=2)
+    clean = next(iter(build_loader(d, spec).epoch(0)))
+    loader = build_loader(d, spec)
+    broken = [4, 6]  # the last view of group 0, the second of group 1
+    for i in broken:
+        with open(loader.samples[clean.ids[i]][0], "wb") as f:
+            f.write(b"not an image")
+    batch = next(iter(loader.epoch(0)))
+    assert batch.ids == clean.ids and [r["reason"].split(" (")[0] for r in batch.bad] == ["unreadable image"] * 2
+    want = clean.labels.clone()
+    want[4], want[6] = clean.labels[0], clean.labels[7]
+    assert torch.equal(batch.labels, want)
+    assert not torch.equal(batch.images[4], clean.images[0])  # the replacement's file, cropped with view 4's seed
+    assert torch.equal(batch.images[5], clean.images[5])

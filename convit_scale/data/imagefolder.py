@@ -13,7 +13,7 @@ from convit_scale.imagetree import list_classes, scan_split, subsample
 
 from ..config import DataConfig
 from .batch import Batch, stack_views
-from .faults import DECODE_ERRORS, DataError, limit_bad_samples, reason_of
+from .faults import DECODE_ERRORS, DataError, limit_bad_samples, next_good, reason_of
 from .geometry import EpochGeometry, LoaderSpec
 from .order import view_seeds
 from .transforms import build_eval_transform, build_train_transform, transform_view
@@ -26,33 +26,62 @@ class _SeededImages(Dataset):
     MAX_REPLACEMENTS = 64
     """Unreadable files in a row before giving up on finding a replacement."""
 
-    def __init__(self, samples: list[tuple[str, int]], transform):
-        self.samples, self.transform = samples, transform
+    def __init__(self, samples: list[tuple[str, int]], transform, train: bool = False):
+        self.samples, self.transform, self.train = samples, transform, train
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    def open(self, j: int):
+        """(image, label) of sample ``j``, or the bad-sample record of a file that cannot be read or decoded."""
+        path, label = self.samples[j % len(self.samples)]
+        try:
+            return Image.open(path).convert("RGB"), label
+        except DECODE_ERRORS as e:
+            return {"file": path, "key": Path(path).stem, "reason": f"unreadable image ({reason_of(e)})"}
+
     def __getitem__(self, item):
-        """(image, label, bad): a file that cannot be read or decoded is replaced by the next readable file of
-        the sample list (index + 1, + 2, ...), augmented with the view's own seed, and listed in ``bad``."""
+        """(image, label, bad, index). In training a file that cannot be read or decoded gives (None, seed, [its
+        record], index): the batch replaces it within its canonical group (``_Collate``). In evaluation it is
+        replaced by the next readable file of the sample list (index + 1, + 2, ...) and listed in ``bad``."""
         index, seed = item
         bad = []
         for j in range(index, index + min(len(self.samples), self.MAX_REPLACEMENTS)):
-            path, label = self.samples[j % len(self.samples)]
-            try:
-                img = Image.open(path).convert("RGB")
+            opened = self.open(j)
+            if not isinstance(opened, dict):
+                img, label = opened
                 break
-            except DECODE_ERRORS as e:
-                bad.append({"file": path, "key": Path(path).stem, "reason": f"unreadable image ({reason_of(e)})"})
+            bad.append(opened)
+            if self.train:
+                return None, seed, bad, index
         else:
             raise DataError(f"{self.samples[index][0]}: no readable image in it and the {len(bad) - 1} files after "
                             f"it; convert with `convit-scale prep` to skip such files")
-        return transform_view(self.transform, img, seed), label, bad
+        return transform_view(self.transform, img, seed), label, bad, index
 
 
-def _collate(items) -> Batch:
-    images, labels = stack_views([x for x, _, _ in items]), torch.tensor([y for _, y, _ in items], dtype=torch.long)
-    return Batch(images, labels, bad=[record for _, _, bad in items for record in bad])
+class _Collate:
+    """A batch of ``_SeededImages`` items. A training view whose file could not be read takes the next view of its
+    canonical group (``group`` views; the sample contract, sample.py) that could, re-read and augmented with the
+    failed view's own seed, and its label."""
+
+    def __init__(self, dataset: _SeededImages, group: int):
+        self.dataset, self.group = dataset, group
+
+    def __call__(self, items) -> Batch:
+        items = list(items)
+        failed = {i for i, item in enumerate(items) if item[0] is None}
+        for i in sorted(failed):
+            base = i - i % self.group
+            j = next_good({f - base for f in failed if base <= f < base + self.group}, i - base, self.group)
+            if j is None:
+                raise DataError(f"{items[i][2][0]['file']}: no readable image in its canonical group of "
+                                f"{self.group} views")
+            img, label = self.dataset.open(items[base + j][3])
+            items[i] = (transform_view(self.dataset.transform, img, items[i][1]), label, items[i][2], items[i][3])
+        images = stack_views([item[0] for item in items])
+        labels = torch.tensor([item[1] for item in items], dtype=torch.long)
+        return Batch(images, labels, bad=[record for item in items for record in item[2]])
 
 
 def imagefolder_samples(root: Path, split: str, fraction: float,
@@ -80,7 +109,7 @@ class ImageFolderLoader:
         on_device = spec.augment_on_device
         transform = (build_train_transform(d, spec.img_size, on_device, spec.handover) if spec.train
                      else build_eval_transform(d, spec.img_size, on_device))
-        self.dataset = _SeededImages(self.samples, transform)
+        self.dataset = _SeededImages(self.samples, transform, spec.train)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(root))
         self.num_real = self.geometry.num_real
 
@@ -95,7 +124,7 @@ class ImageFolderLoader:
         seeds = view_seeds(s.seed, epoch, positions)
         items = list(zip(idx.tolist(), seeds.tolist()))
         loader = DataLoader(self.dataset, batch_size=b, sampler=items, drop_last=s.train, persistent_workers=False,
-                            collate_fn=_collate, pin_memory=s.pin_memory,
+                            collate_fn=_Collate(self.dataset, s.group_size if s.train else b), pin_memory=s.pin_memory,
                             **loader_options(self.d.num_workers, s.seed, epoch))
         batches = limit_bad_samples(iterate(loader), self.d.max_bad_samples, epoch, s.rank)
         if not s.train:

@@ -12,8 +12,9 @@
   timm's transform in ImageFolder and WebDataset; in FFCV, ``private_aug.py``'s private generators that draw
   alike; on the device, counter-based draws of the seed (``device_augment.py``).
 - A view whose image cannot be read or decoded takes the next view that can (``faults.next_good``) of its canonical
-  group (FFCV, the device's decoder: the batch's group; WebDataset: the group's partition stream; ImageFolder: the
-  next file of the split), cropped and flipped with its own seed, and is listed in ``Batch.bad``.
+  group (FFCV, ImageFolder and the device's decoder: within the group in the batch; WebDataset: the group's
+  partition stream, looking ahead past the step), cropped and flipped with its own seed (the device's decoder: the
+  replacement's crop), and is listed in ``Batch.bad``.
 """
 
 from __future__ import annotations
