@@ -45,7 +45,7 @@ nothing to run beside; what runs after backward (ZeRO's reductions when one buck
 ``overlap_comm`` is off, ZeRO-1/2's parameter all-gather after the step) is exposed whole. Compute slowed by
 sharing the GPU with communication kernels is not modelled.
 Step = compute + exposed communication, or the loader's time for the GPU's images when that is longer; the
-loader gives ``cpus_per_gpu`` x 1000 / ``LOADER_CPU_MS_PER_IMAGE`` images/s (measured by ``convit-scale bench data``).
+loader gives ``cpus_per_gpu`` x 1000 / its CPU ms per image (``LOADER_VS_DECODE`` x the node's JPEG decode) images/s.
 "Bound by": memory (no micro-batch fits), else the largest of compute, exposed communication and loader time.
 """
 
@@ -53,39 +53,67 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .config import ParallelConfig, group_shares, model_options
-from .data.device_augment import augment_on_device
+from .data.device_augment import augment_on_device, handover_of
 from .hardware import GPUS, LINK_EFFICIENCY
 from .models import create_model
 from .parallel.zero_config import deepspeed_config, zero_sizes
 
 IMAGENET_TRAIN = 1_281_167
 
-CROP_DECODE_SAVED_MS = {"ffcv": 0.657 - 0.515, "wds": 1.938 - 1.745}
-"""CPU ms per image that decoding only the train crop's box saves against decoding the whole JPEG (``jpeg_roi``), by
-data.format: ``convit-scale bench data --decode-only --rounds 3 --seconds 5 --out runs/bench`` (BENCHMARKS.md,
-"Decoding only the crop"; 500x375 q90 4:2:0 photographs, timm's crop boxes): FFCV's compiled decode, whole 0.657 ms
-against the box's 0.515 (1.29x); the WebDataset crop step (PIL's whole decode then timm's crop and resize, against
-the box decoded alone then the same resize), 1.938 ms against 1.745."""
-
-LOADER_CPU_MS_PER_IMAGE = {
-    ("ffcv", "cpu"): 8.13 - CROP_DECODE_SAVED_MS["ffcv"], ("ffcv", "device"): 3.75 - CROP_DECODE_SAVED_MS["ffcv"],
-    ("wds", "cpu"): 8.26 - CROP_DECODE_SAVED_MS["wds"], ("wds", "device"): 4.83 - CROP_DECODE_SAVED_MS["wds"],
-    ("imagefolder", "cpu"): 7.92, ("imagefolder", "device"): 4.46,
+LOADER_VS_DECODE = {
+    ("ffcv", "cpu"): 6.06, ("ffcv", "pixels"): 2.83, ("ffcv", "box"): 0.86, ("ffcv", "decode-on-device"): 0.04,
+    ("wds", "cpu"): 6.15, ("wds", "pixels"): 2.94, ("wds", "box"): 1.13, ("wds", "decode-on-device"): 0.13,
+    ("imagefolder", "cpu"): 5.52, ("imagefolder", "pixels"): 3.05, ("imagefolder", "box"): 1.62,
 }
-"""CPU milliseconds per training image of one rank's loader (all its workers), full DeiT recipe at 224, by
-(data.format, where the augmentation after the crop runs): ``cpu_ms_per_image`` at 1 worker from
-``convit-scale bench data --rounds 3 --seconds 5 --device cpu --out runs/bench`` (BENCHMARKS.md, "Data loading";
-2 shared x86-64 cores, 500x375 JPEGs; FFCV with the source JPEGs kept, as ``prep ffcv`` writes them), measured when
-every JPEG was decoded whole: FFCV and WebDataset now decode only the crop box, less ``CROP_DECODE_SAVED_MS``
-(measured on the crop's decode alone; the next full ``bench data`` run measures the loaders with it)."""
+"""CPU time per training image of one rank's loader (one worker, DeiT's full recipe at 224), as a ratio to the
+decode of the whole JPEG measured in the same run, by (data.format, mode; ``bench/stages.py`` names the modes):
+``convit-scale bench data --stages --rounds 1 --seconds 3 --out runs/bench`` (BENCHMARKS.md, "Data loading";
+500x375 q90 photographs, FFCV with the source JPEGs kept, as ``prep ffcv`` writes them; ImageFolder decodes
+every file whole)."""
+
+DECODE_MS_HERE = 0.721
+"""The whole-JPEG decode of that run, CPU ms per image, on this project's 2-core x86-64 machine: the figure ``plan``
+multiplies the ratios by when the node it plans for has no calibration (``convit-scale bench data --calibrate``)."""
+
+DEVICE_MS_PER_IMAGE = {"box": 0.02, "decode-on-device": 0.1}
+"""GPU time per image of the work a mode moves to the training device, added to the step's compute: the batched
+resize of ``device_resize.py`` (about 0.9 GFLOP of float32 matrix products per 224 crop of an ImageNet box: tens of
+microseconds on an H100/H200) and nvJPEG's decode (DALI feeds about 7,000 images/s per H100 with decode and crop on
+the GPU). Estimates, not measured on a GPU here: ``make gpu-test GROUP=4`` measures the resize and the decode."""
+
+LOADER_MODES = ("cpu", "pixels", "box", "decode-on-device")
+"""From most CPU work to least; ``box`` gives the CPU path's pixels exactly (``bench pixels``), ``decode-on-device``
+nvJPEG's (its own IDCT), so a plan prefers ``box``."""
+
+
+def calibration_path() -> Path:
+    """Where ``bench data --calibrate`` writes this node's decode cost and ``plan`` reads it: CONVIT_SCALE_CALIBRATION,
+    else ~/.cache/convit-scale/calibration.json."""
+    return Path(os.environ.get("CONVIT_SCALE_CALIBRATION") or Path.home() / ".cache" / "convit-scale" /
+                "calibration.json")
+
+
+def node_decode_ms() -> tuple[float, str | None]:
+    """This node's whole-JPEG decode, CPU ms per image, and a warning when there is no calibration to read."""
+    path = calibration_path()
+    try:
+        return float(json.loads(path.read_text())["decode_cpu_ms_per_image"]), None
+    except (OSError, ValueError, KeyError, TypeError):
+        return DECODE_MS_HERE, (f"no calibration of this node's CPU at {path}: the loader's cost is this project's "
+                                f"machine's ({DECODE_MS_HERE} ms per JPEG decode); run `convit-scale bench data "
+                                "--calibrate` on a node of the cluster (a few seconds)")
+
 
 NCCL_RING_LATENCY_US = {"base": 8.4, "nvlink_step": 3.4, "net_step": 9.6}
 """NCCL's model of a ring collective's latency, Simple protocol (src/graph/tuning.cc: baseLat, hwLat): a base, plus
@@ -425,11 +453,20 @@ def communication(collectives: list[Collective], links: Links, compute_s: float,
 
 
 # -- the plan -------------------------------------------------------------------------------------------------------
-def loader_ms_per_image(cfg) -> tuple[float, str]:
-    """CPU ms per image of the recipe's loader, and where its augmentation runs on a CUDA run."""
+def loader_mode(cfg) -> str:
+    """The mode of the recipe's loader on a CUDA run (``bench/stages.py``'s names)."""
+    cuda = torch.device("cuda")
+    handover = handover_of(cfg.data, cuda)
+    if handover != "pixels":
+        return {"box": "box", "jpeg": "decode-on-device"}[handover]
+    return "pixels" if augment_on_device(cfg.data, cuda) else "cpu"
 
-    where = "device" if augment_on_device(cfg.data, torch.device("cuda")) else "cpu"
-    return LOADER_CPU_MS_PER_IMAGE[(cfg.data.format, where)], where
+
+def loader_ms_per_image(cfg, mode: str | None = None) -> tuple[float, str]:
+    """CPU ms per image of the recipe's loader in ``mode`` (default: the recipe's on a CUDA run) on this node, and
+    the mode: the same-run ratio (``LOADER_VS_DECODE``) times the node's decode (``node_decode_ms``)."""
+    mode = mode or loader_mode(cfg)
+    return LOADER_VS_DECODE[(cfg.data.format, mode)] * node_decode_ms()[0], mode
 
 
 def plan(cfg, nodes: int, gpus_per_node: int, gpu: str, mfu: float = 0.4, layouts=None,
@@ -502,6 +539,7 @@ def _row(cfg, facts: ModelFacts, layout: Layout, nodes: int, g: int, gpu: str, m
         accum = per_rank // micro if micro else None
     images = per_rank if per_rank is not None else global_batch / world
     compute_s = train_flops_per_image(cfg, facts, p) * images / (GPUS[gpu].peak_tflops * 1e12 * mfu)
+    compute_s += images * DEVICE_MS_PER_IMAGE.get(loader_mode(cfg), 0.0) / 1000 if gpu != "cpu" else 0.0
     comm = communication(step_collectives(p, facts, nodes, g, accum or 1, device), links, compute_s, accum or 1)
     ms, _ = loader_ms_per_image(cfg)
     loader_s = images * ms / (loader_cores(cfg, cpus_per_gpu) * 1000) if cpus_per_gpu else None
@@ -536,20 +574,31 @@ def recommend(rows: list[dict]) -> dict | None:
 
 
 def loader_check(cfg, gpu: str, cpus_per_gpu: float, mfu: float = 0.4, world: int = 1) -> dict:
-    """Images/s per GPU the training step's compute needs against what the loader gives from ``cpus_per_gpu`` cores.
+    """Images/s per GPU the training step's compute needs against what the loader gives from ``cpus_per_gpu`` cores,
+    in the recipe's mode on a CUDA run (``loader_mode``) and in every mode of its format: the CPU cores per GPU each
+    needs, and the mode that keeps the GPU fed (the recipe's, else the least CPU work whose pixels are the CPU
+    path's, else any: ``LOADER_MODES``).
 
-    The augmentation runs where a CUDA run would put it (``data.augment_on``, auto = the device when it supports
-    the recipe); the loader's rate is ``loader_cores`` (the CPUs, at most ``data.num_workers``) x 1000 / its CPU ms
-    per image."""
+    The loader's rate is ``loader_cores`` (the CPUs, at most ``data.num_workers``) x 1000 / its CPU ms per image on
+    this node (``loader_ms_per_image``); the device's share of a mode's work (``DEVICE_MS_PER_IMAGE``) is part of the
+    step's compute."""
     c = dtype_bytes(cfg.parallel.precision)
     facts = model_facts(cfg, c)
     global_batch = cfg.data.global_batch_size
     flops = train_flops_per_image(cfg, facts, cfg.parallel)
     step_s = flops * global_batch / (world * GPUS[gpu].peak_tflops * 1e12 * mfu)
+    step_s += global_batch / world * DEVICE_MS_PER_IMAGE.get(loader_mode(cfg), 0.0) / 1000
     need = global_batch / world / step_s
-    ms, where = loader_ms_per_image(cfg)
+    ms, mode = loader_ms_per_image(cfg)
     give = loader_cores(cfg, cpus_per_gpu) * 1000 / ms
-    return {"gpu_images_per_s": need, "loader_images_per_s": give, "cpu_ms_per_image": ms, "augment_on": where,
+    modes = {}
+    for m in LOADER_MODES:
+        if (cfg.data.format, m) in LOADER_VS_DECODE:
+            m_ms = loader_ms_per_image(cfg, m)[0]
+            modes[m] = {"cpu_ms_per_image": m_ms, "cores_per_gpu": need * m_ms / 1000}
+    fed = [m for m in (mode, "box", *LOADER_MODES) if m in modes and modes[m]["cores_per_gpu"] <= cpus_per_gpu]
+    return {"gpu_images_per_s": need, "loader_images_per_s": give, "cpu_ms_per_image": ms, "mode": mode,
+            "augment_on": "cpu" if mode == "cpu" else "device", "modes": modes, "fed_by": fed[0] if fed else None,
             "format": cfg.data.format, "cpus_per_gpu": cpus_per_gpu, "loader_cores": loader_cores(cfg, cpus_per_gpu),
-            "step_s": step_s,
+            "step_s": step_s, "decode_warning": node_decode_ms()[1],
             "bottleneck": "loader" if give < need else "gpus"}

@@ -140,28 +140,55 @@ def test_planner_reads_the_engines_zero_sizes():
 
 
 # -- the loader: images/s the GPUs need against what the CPU cores beside them give --------------------------
-def test_loader_check_names_the_slower_side():
-    from convit_scale.planner import LOADER_CPU_MS_PER_IMAGE, loader_check
+def test_loader_check_names_the_slower_side_and_the_mode_that_feeds_the_gpus(tmp_path, monkeypatch):
+    from convit_scale.planner import DECODE_MS_HERE, LOADER_VS_DECODE, loader_check
 
-    cfg = load_config("recipes/table1/convit_tiny.yaml")
+    monkeypatch.setenv("CONVIT_SCALE_CALIBRATION", str(tmp_path / "none.json"))
+    cfg = load_config("recipes/table1/convit_tiny.yaml", ["data.decode_on=cpu"])  # a GPU run's default: box
     few = loader_check(cfg, "h200-141gb", cpus_per_gpu=2)
-    assert few["augment_on"] == "device" and few["format"] == cfg.data.format
-    assert few["cpu_ms_per_image"] == LOADER_CPU_MS_PER_IMAGE[(cfg.data.format, "device")]
+    assert few["mode"] == "box" and few["augment_on"] == "device" and few["format"] == cfg.data.format
+    assert few["cpu_ms_per_image"] == pytest.approx(LOADER_VS_DECODE[(cfg.data.format, "box")] * DECODE_MS_HERE)
+    assert "no calibration of this node's CPU" in few["decode_warning"]
     assert math.isclose(few["loader_images_per_s"], 2 * 1000 / few["cpu_ms_per_image"])
     assert few["loader_images_per_s"] < few["gpu_images_per_s"] and few["bottleneck"] == "loader"
+    # every mode's cores per GPU, from the same images/s: the decode on the device needs the fewest
+    cores = {m: v["cores_per_gpu"] for m, v in few["modes"].items()}
+    assert list(cores) == ["cpu", "pixels", "box", "decode-on-device"] and cores == dict(sorted(
+        cores.items(), key=lambda kv: -kv[1]))
+    assert few["fed_by"] == "decode-on-device" and cores["decode-on-device"] <= 2 < cores["box"]
     capped = loader_check(cfg, "h200-141gb", cpus_per_gpu=10_000)  # the recipe's 8 workers use 8 of them
     assert math.isclose(capped["loader_images_per_s"], 8 * 1000 / few["cpu_ms_per_image"]) and cfg.data.num_workers == 8
-    wide = load_config("recipes/table1/convit_tiny.yaml", ["data.num_workers=10000"])
-    many = loader_check(wide, "h200-141gb", cpus_per_gpu=10_000)
-    assert many["gpu_images_per_s"] == few["gpu_images_per_s"] and many["bottleneck"] == "gpus"
+    assert capped["fed_by"] == "box"  # the recipe's own mode, when the cores suffice
     # what a CUDA run cannot augment on the device stays on the CPU: more CPU time per image
-    cpu = loader_check(load_config("recipes/table1/convit_tiny.yaml", ["data.augment_on=cpu"]), "h200-141gb", 2)
-    assert cpu["augment_on"] == "cpu" and cpu["cpu_ms_per_image"] > few["cpu_ms_per_image"]
+    cpu = loader_check(load_config("recipes/table1/convit_tiny.yaml", ["data.augment_on=cpu", "data.decode_on=cpu"]),
+                       "h200-141gb", 2)
+    assert cpu["mode"] == "cpu" and cpu["cpu_ms_per_image"] > few["cpu_ms_per_image"]
+
+
+def test_plan_reads_the_nodes_calibration(tmp_path, monkeypatch):
+    """`bench data --calibrate` writes the node's decode cost; the loader's cost is the same-run ratio times it, and
+    the device's share of a mode is part of the step's compute."""
+    from convit_scale.planner import DEVICE_MS_PER_IMAGE, loader_check, loader_ms_per_image, plan
+
+    cal = tmp_path / "calibration.json"
+    cal.write_text('{"decode_cpu_ms_per_image": 2.0}')
+    monkeypatch.setenv("CONVIT_SCALE_CALIBRATION", str(cal))
+    cfg = load_config("recipes/table1/convit_small.yaml")
+    slow = loader_ms_per_image(cfg)[0]
+    assert loader_check(cfg, "h200-141gb", 10)["decode_warning"] is None
+    cal.write_text('{"decode_cpu_ms_per_image": 0.5}')
+    assert loader_ms_per_image(cfg)[0] == pytest.approx(slow / 4)
+    box, pixels = (plan(load_config("recipes/table1/convit_small.yaml", [f"data.resize_on={r}"]), 1, 8, "h200-141gb",
+                        layouts=("fsdp2",))[0] for r in ("device", "cpu"))
+    images = cfg.data.global_batch_size / 8
+    assert box["compute_s"] - pixels["compute_s"] == pytest.approx(images * DEVICE_MS_PER_IMAGE["box"] / 1000)
 
 
 def test_plan_follows_the_recipes_micro_batch_checkpointing_and_teacher():
     """Before: plan took data.micro_batch_size and activation checkpointing's recompute as overrides and ignored
     them, and left Table 4's teacher out of the compute."""
+    from convit_scale.planner import DEVICE_MS_PER_IMAGE
+
     base = load_config("recipes/table1/convit_small_plus.yaml")
     (row,) = [r for r in plan(base, 1, 8, "h200-141gb", layouts=["fsdp2"])]
     micro = load_config("recipes/table1/convit_small_plus.yaml", ["data.micro_batch_size=16"])
@@ -169,7 +196,9 @@ def test_plan_follows_the_recipes_micro_batch_checkpointing_and_teacher():
     assert (m["micro_batch"], m["grad_accumulation"]) == (16, 4) != (row["micro_batch"], row["grad_accumulation"])
     ckpt = load_config("recipes/table1/convit_small_plus.yaml", ["parallel.activation_checkpointing=true"])
     (c,) = plan(ckpt, 1, 8, "h200-141gb", layouts=["fsdp2"])
-    assert math.isclose(c["compute_s"], row["compute_s"] * 4 / 3) and c["activations_gib"] < row["activations_gib"]
+    device = 512 / 8 * DEVICE_MS_PER_IMAGE["box"] / 1000  # the device's resize: not recomputed
+    assert math.isclose(c["compute_s"] - device, (row["compute_s"] - device) * 4 / 3)
+    assert c["activations_gib"] < row["activations_gib"]
     distilled = load_config("recipes/table4/convit_small_plus_distilled.yaml")
     (d,) = plan(distilled, 1, 8, "h200-141gb", layouts=["fsdp2"])
     from convit_scale.planner import teacher_flops
@@ -179,23 +208,28 @@ def test_plan_follows_the_recipes_micro_batch_checkpointing_and_teacher():
 
 
 def test_plan_command_warns_when_the_loader_is_slower(capsys, monkeypatch):
+    """The remedy names the mode that keeps the GPUs fed at the job's cores, and the cores and workers it needs."""
     from convit_scale.cli import main
 
     monkeypatch.chdir(REPO)
+    box = ["data.decode_on=cpu"]  # ConViT-Ti's recipe decodes on the device; this is the GPU default before it
     assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--cpus-per-gpu",
-                 "1"]) == 0
-    assert "warning: the loader is slower than the GPUs" in capsys.readouterr().out
+                 "1", *box]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the loader is slower than the GPUs" in out
+    assert "loader: CPU cores per GPU each mode needs: cpu" in out
+    assert re.search(r"mode decode-on-device \(data\.decode_on=device\) keeps them fed with 0\.\d of the 1 cores per "
+                     r"GPU \(the recipe's mode box needs \d+\.\d\)", out), out
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "100000")
     assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
-                 "1"]) == 0
-    out = capsys.readouterr().out  # 8 workers of 100000 cores: the remedy is the recipe's num_workers, not its format
-    assert "or data.num_workers=100000 (the recipe's 8 use fewer cores)" in out
-    assert "data.format=ffcv" not in out and "data.augment_on=device" not in out
+                 "1", *box]) == 0
+    out = capsys.readouterr().out  # 8 workers of 100000 cores: the recipe's mode, with the workers it needs
+    assert re.search(r"mode box \(data\.resize_on=device data\.num_workers=\d+\) keeps them fed", out), out
     assert main(["plan", "--recipe", "recipes/table1/convit_tiny.yaml", "--gpu", "h200-141gb", "--gpus-per-node",
-                 "1", "data.num_workers=100000"]) == 0
+                 "1", "data.num_workers=100000", *box]) == 0
     out = capsys.readouterr().out
     assert "100000 CPU cores per GPU" in out
-    assert "the GPUs are slower than the loader" in out and "warning" not in out
+    assert "the GPUs are slower than the loader" in out and "warning: the loader" not in out
 
 
 def test_the_recipes_layout_is_the_hsdp_mesh_the_run_builds():
@@ -213,26 +247,12 @@ def test_the_recipes_layout_is_the_hsdp_mesh_the_run_builds():
     assert [r["layout"] for r in plan(cfg, 4, 8, "h200-141gb") if r["recipe_layout"]] == ["hsdp 2x16 no-reshard"]
 
 
-def _crop_decode_table() -> dict[str, tuple[float, float]]:
-    """BENCHMARKS.md's "Decoding only the crop" table: (whole, box) CPU ms per image by the row's first words."""
+def test_loader_ratios_are_the_benchmarks_figures():
+    """``LOADER_VS_DECODE`` and ``DECODE_MS_HERE`` are BENCHMARKS.md's table of the loader's modes: the constants and
+    the document cannot drift apart."""
+    from convit_scale.planner import DECODE_MS_HERE, LOADER_VS_DECODE
+
     text = (REPO / "BENCHMARKS.md").read_text()
-    section = text.split("\n## Decoding only the crop\n", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and re.fullmatch(r"[\d.]+", cells[1]) and re.fullmatch(r"[\d.]+", cells[2]):
-            rows[cells[0]] = float(cells[1]), float(cells[2])
-    return rows
-
-
-def test_crop_decode_savings_are_the_benchmarks_figures():
-    """``CROP_DECODE_SAVED_MS`` is BENCHMARKS.md's whole-image less box-only decode, FFCV's compiled decode and the
-    WebDataset crop step: the constant and the document cannot drift apart."""
-    from convit_scale.planner import CROP_DECODE_SAVED_MS
-
-    rows = _crop_decode_table()
-    (ffcv,) = [v for k, v in rows.items() if k.startswith("FFCV's compiled decode")]
-    (wds,) = [v for k, v in rows.items() if k.startswith("WebDataset's crop step")]
-    assert set(CROP_DECODE_SAVED_MS) == {"ffcv", "wds"}
-    assert CROP_DECODE_SAVED_MS["ffcv"] == pytest.approx(ffcv[0] - ffcv[1], abs=1e-9)
-    assert CROP_DECODE_SAVED_MS["wds"] == pytest.approx(wds[0] - wds[1], abs=1e-9)
+    rows = re.findall(r"^\| (ffcv|wds|imagefolder) \| `?([\w-]+)`? \| ([\d.]+) \| ([\d.]+)x \|", text, re.M)
+    assert {(f, m): float(x) for f, m, _, x in rows} == LOADER_VS_DECODE
+    assert f"whole-JPEG decode {DECODE_MS_HERE} CPU ms per image" in text

@@ -46,8 +46,12 @@ def _run(args) -> dict:
         return pixel_fidelity([Path(p) for p in args.photos] if args.photos else _sample_photographs(), args.boxes,
                               device=args.device)
     if args.what == "data":
-        from .data import bench_crop_decode, bench_data
+        from .data import bench_calibrate, bench_crop_decode, bench_data, bench_stages
 
+        if args.calibrate:
+            return bench_calibrate(out / "data_work", args.seconds)
+        if args.stages:
+            return bench_stages(out / "data_work", args.seconds, args.rounds)
         if args.decode_only:
             return bench_crop_decode(out / "data_work", args.seconds, args.rounds)
         return bench_data(out / "data_work", args.seconds, args.rounds, args.device)

@@ -36,7 +36,9 @@ from ..data.ffcv_epoch import allocate, run_stages
 from ..ffcv_threads import importing_ffcv
 from ..hardware import usable_cpus
 from ..manifest import Manifest
+from ..planner import calibration_path
 from .crop_decode import crop_decode_costs
+from .stages import calibrate, stage_costs
 from .worker import run_worker
 
 
@@ -278,6 +280,8 @@ def worker(spec: dict) -> dict:
         return _thread_rates(spec["tree"], spec["seconds"], spec["workers"])
     if spec["loader"] == "crop_decode":
         return crop_decode_costs(spec["tree"], spec["seconds"])
+    if spec["loader"] == "stages":
+        return stage_costs(Path(spec["tree"]), {k: Path(v) for k, v in spec["paths"].items()}, spec["seconds"])
     if spec["loader"] == "device_stage":
 
         torch.set_num_threads(usable_cpus())  # the device is the whole machine when it is the CPU
@@ -346,6 +350,38 @@ def bench_crop_decode(work: Path, seconds: float, rounds: int) -> dict:
     results = [run_worker("data", {"loader": "crop_decode", "tree": str(tree), "seconds": seconds})
                for _ in range(rounds)]
     return {"seconds": seconds, "rounds": rounds, "crop_decode": _crop_decode_rounds(results)}
+
+
+def _stage_data(work: Path) -> tuple[Path, dict]:
+    """The photographs' tree (640 training JPEGs) and its FFCV and WebDataset conversions, made once in ``work``."""
+    tree = make_photo_tree(work / "tree", per_class=160)
+    paths = {"ffcv": work / "ffcv", "wds": work / "wds"}
+    if not (paths["wds"] / "manifest.json").exists():
+        prepare(tree, paths["wds"], PrepOptions(fmt="wds", shard_size=40, workers=2))
+    if not (paths["ffcv"] / "manifest.json").exists():
+        prepare(tree, paths["ffcv"], PrepOptions(fmt="ffcv", workers=2))
+    return tree, paths
+
+
+def bench_stages(work: Path, seconds: float, rounds: int) -> dict:
+    """``bench data --stages``: ``stages.stage_costs`` in ``rounds`` fresh processes; each figure the median of the
+    rounds (one round is a same-run comparison by itself)."""
+    tree, paths = _stage_data(work)
+    results = [run_worker("data", {"loader": "stages", "tree": str(tree), "seconds": seconds,
+                                   "paths": {k: str(v) for k, v in paths.items()}}) for _ in range(rounds)]
+    out = results[len(results) // 2] if rounds % 2 else results[-1]
+    return {"seconds": seconds, "rounds": rounds, **out,
+            "rounds_vs_decode": [{f: {m: v["vs_decode"] for m, v in r["formats"][f]["modes"].items()}
+                                  for f in r["formats"]} for r in results]}
+
+
+def bench_calibrate(work: Path, seconds: float) -> dict:
+    """``bench data --calibrate``: this node's whole-JPEG decode, written where ``plan`` reads it."""
+    tree = make_photo_tree(work / "calibration_tree", per_class=32)
+    record = calibrate(tree, min(seconds, 8.0), calibration_path())
+    print(f"calibration: {record['decode_cpu_ms_per_image']:.3f} CPU ms per whole-JPEG decode on {record['host']} "
+          f"({record['cpu']}); written to {calibration_path()}, read by `convit-scale plan`")
+    return record
 
 
 def bench_data(work: Path, seconds: float, rounds: int, device: str = "cpu") -> dict:

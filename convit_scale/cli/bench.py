@@ -31,6 +31,13 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="model, data, distill: interleaved rounds (A B C A B C); the best round is kept")
     p.add_argument("--seconds", type=positive_float, default=8.0, help="data: seconds per candidate and round")
+    p.add_argument("--stages", action="store_true",
+                   help="data: only the loaders' CPU ms per image by format and mode, and its stages (read, decode, "
+                        "resize, augment), against the whole JPEG's decode in the same run")
+    p.add_argument("--calibrate", action="store_true",
+                   help="data: measure this node's JPEG decode for a few seconds (--seconds) and write it where "
+                        "`convit-scale plan` reads it (CONVIT_SCALE_CALIBRATION, default "
+                        "~/.cache/convit-scale/calibration.json)")
     p.add_argument("--decode-only", action="store_true",
                    help="data: only the train crop's JPEG decode, whole image against the crop box alone")
     p.add_argument("--model", default="convit_base_plus", help="memory, universal, gate: the model")

@@ -201,22 +201,37 @@ def _print_loader(cfg, args, world: int, cpus: float | None, cpus_from: str) -> 
               "pass --cpus-per-gpu N (the job's CPU cores per GPU)")
         return
     lc = loader_check(cfg, args.gpu, cpus, args.mfu, world)
+    if lc["decode_warning"]:
+        _say(f"warning: {lc['decode_warning']}")
     _say(f"loader: the GPUs need {lc['gpu_images_per_s']:,.0f} images/s each (compute {lc['step_s']:.3f} s per step); "
           f"{cpus:g} CPU cores per GPU ({cpus_from}), {lc['loader_cores']:g} for data.num_workers = "
           f"{cfg.data.num_workers}, give {lc['loader_images_per_s']:,.0f} images/s "
-          f"({lc['format']}, {lc['cpu_ms_per_image']:.2f} CPU ms per image, augmentation on the {lc['augment_on']})")
+          f"({lc['format']}, mode {lc['mode']}, {lc['cpu_ms_per_image']:.2f} CPU ms per image)")
+    _say("loader: CPU cores per GPU each mode needs: " + ", ".join(
+        f"{m} {v['cores_per_gpu']:.1f} ({v['cpu_ms_per_image']:.2f} ms/image)" for m, v in lc["modes"].items()))
     if lc["bottleneck"] == "loader":
-        remedies = ["more CPU cores per GPU"]
-        if cfg.data.num_workers < cpus:
-            remedies.append(f"data.num_workers={int(cpus)} (the recipe's {cfg.data.num_workers} use fewer cores)")
-        if cfg.data.format != "ffcv":
-            remedies.append("data.format=ffcv")
-        if lc["augment_on"] != "device":
-            remedies.append("data.augment_on=device")
         _say(f"warning: the loader is slower than the GPUs ({lc['loader_images_per_s'] / lc['gpu_images_per_s']:.2f}x "
-              f"of what they need): {', or '.join(remedies)}")
+              f"of what they need): {_loader_remedy(cfg, lc, cpus)}")
     else:
         _say("the GPUs are slower than the loader: it is not the bottleneck")
+
+
+def _loader_remedy(cfg, lc: dict, cpus: float) -> str:
+    """What keeps the GPUs fed: the mode that does at the job's cores (``loader_check``'s ``fed_by``), with the
+    cores it needs and the workers to give them, else the cores the cheapest mode needs."""
+    overrides = {"pixels": "data.augment_on=device data.resize_on=cpu", "box": "data.resize_on=device",
+                 "decode-on-device": "data.decode_on=device", "cpu": "data.augment_on=cpu"}
+    m = lc["fed_by"]
+    if m is None:
+        cheapest = min(lc["modes"], key=lambda k: lc["modes"][k]["cores_per_gpu"])
+        return (f"no mode keeps them fed with {cpus:g} cores per GPU: mode {cheapest} ({overrides[cheapest]}) needs "
+                f"{lc['modes'][cheapest]['cores_per_gpu']:.1f}")
+    cores = lc["modes"][m]["cores_per_gpu"]
+    workers = max(1, int(cores + 0.999))
+    more = f" data.num_workers={workers}" if workers > cfg.data.num_workers else ""
+    return (f"mode {m} ({overrides[m]}{more}) keeps them fed with {cores:.1f} of the {cpus:g} cores per GPU"
+            + ("" if m == lc["mode"] else f" (the recipe's mode {lc['mode']} needs "
+                                          f"{lc['modes'][lc['mode']]['cores_per_gpu']:.1f})"))
 
 
 def _slurm_jobs_table(args, links) -> int:
