@@ -16,10 +16,12 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from .errors import BadInput
+
 IMAGE_EXTENSIONS = {".jpeg", ".jpg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff"}
 
 
-class PrepError(RuntimeError):
+class PrepError(BadInput, RuntimeError):
     """A problem with the source that stops conversion (one line, names the input)."""
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import DataConfig
 from ..data import LoaderSpec, build_loader
+from ..errors import BadInput
 from ..metrics import read_records
 from ..models import MODELS
 from ..models.convit import ConViT
@@ -86,8 +87,8 @@ def cnn_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     info = getattr(model, "feature_info", None)
     if info:
         return [(f["module"], model.get_submodule(f["module"])) for f in info]
-    raise ValueError(f"{type(model).__name__}: no residual blocks (layer1-4) or feature_info to compare layer by "
-                     f"layer; allowed: a ConViT/DeiT, or a timm ResNet or CNN with feature_info")
+    raise BadInput(f"{type(model).__name__}: no residual blocks (layer1-4) or feature_info to compare layer by "
+                   f"layer; allowed: a ConViT/DeiT, or a timm ResNet or CNN with feature_info")
 
 
 @torch.no_grad()
@@ -132,7 +133,7 @@ def load_compare(path: str | Path, name: str | None = None) -> nn.Module:
         return load_trained_model(path, name)
 
     if not is_model(name):
-        raise ValueError(f"--compare-model {name!r} is neither one of this project's models nor a timm model")
+        raise BadInput(f"--compare-model {name!r} is neither one of this project's models nor a timm model")
     classifier = get_pretrained_cfg_value(name, "classifier") or "fc"
     head = read_state_dict(path).get(f"{classifier}.weight")
     return load_timm_model(name, path, num_classes=None if head is None else head.shape[0],

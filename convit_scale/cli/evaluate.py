@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import BadInput
 from ..files import write_json_atomic
 from .argtypes import device, non_negative_int, positive_int
 
@@ -27,7 +28,7 @@ def _cmd_eval(args) -> int:
     fmt = args.format or detect_format(args.data)  # before the model: bad data is refused before any work
     _check_results_file(args.results_file)
     if args.crop_ratio is not None and not 0.0 < args.crop_ratio <= 1.0:
-        raise ValueError(f"--crop-ratio {args.crop_ratio}: allowed: a number in (0, 1] (0.875: resize 256, crop 224)")
+        raise BadInput(f"--crop-ratio {args.crop_ratio}: allowed: a number in (0, 1] (0.875: resize 256, crop 224)")
     on = resolve_device(args.device)
     checkpoint = run_checkpoint(args.checkpoint)
     name, model, img_size = _load(args, checkpoint)
@@ -55,7 +56,7 @@ def _cmd_eval(args) -> int:
 
 def _check_results_file(path: str | None) -> None:
     if path and Path(path).is_dir():
-        raise ValueError(f"--results-file {path} is a folder; allowed: a file name (JSON is written there)")
+        raise BadInput(f"--results-file {path} is a folder; allowed: a file name (JSON is written there)")
 
 
 def _view(args, checkpoint) -> tuple[dict, str]:
