@@ -140,6 +140,13 @@ def load_compare(path: str | Path, name: str | None = None) -> nn.Module:
                            what=f"--compare {path}", name_key="--compare-model").eval()
 
 
+def write_masking_table(table: dict, path: Path) -> Path:
+    """The masking's top-1 (Tables 5 and 6) as a CSV file: one row per condition (``none``: unmasked)."""
+    rows = ["condition,top1"] + [f"{name},{top1:.4f}" for name, top1 in table.items()]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
 def history(run_dir: Path) -> dict:
     """Gating and nonlocality over training, from a run's metrics.jsonl."""
     recs = read_records(run_dir, "analysis")
@@ -187,12 +194,12 @@ def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None,
         "masking_images": n_images if masking_data is None else masking_data.num_real,
         "cka_self": cka_matrix(model, model, batches).tolist(),
         "query_patch": query,
+        "names": list(names),
     }
-    files = [plots.gating_heatmap(result["gating"], out / "gating.png"),
-             plots.nonlocality_per_layer(result["nonlocality"], model.local_up_to_layer, out / "nonlocality.png"),
-             plots.attention_maps(maps, first[0].cpu(), query, grid, result["gating"], out / "attention_maps.png"),
-             plots.attention_distance(result["attention_distance_px"], out / "attention_distance.png"),
-             plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
+    files = [plots.gating_heatmap(result["gating"], out / "gating.png")] if result["gating"] else []  # a DeiT: none
+    files += [plots.attention_maps(maps, first[0].cpu(), query, grid, result["gating"], out / "attention_maps.png"),
+              plots.attention_distance(result["attention_distance_px"], out / "attention_distance.png"),
+              plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
     if compare is not None:
         result["cka_compare"] = cka_matrix(model, compare, batches).tolist()
         if isinstance(compare, ConViT):
@@ -200,12 +207,16 @@ def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None,
         else:
             result["compare_layers"] = [name for name, _ in cnn_layers(compare)]
         files.append(plots.cka_heatmap(result["cka_compare"], names[0], names[1], out / "cka_compare.png"))
+    files += [plots.nonlocality_per_layer(result["nonlocality"], model.local_up_to_layer, out / "nonlocality.png",
+                                          result.get("compare_nonlocality"), names),
+              write_masking_table(result["masking_top1"], out / "masking_top1.csv")]
     if run_dir is not None:
         hist = history(run_dir)
         result["history"] = hist
+        if hist["epoch"] and hist["gating"][0]:  # a DeiT has no gating to follow
+            files.append(plots.gating_history(hist, out / "gating_history.png"))
         if hist["epoch"]:
-            files += [plots.gating_history(hist, out / "gating_history.png"),
-                      plots.nonlocality_history(hist, out / "nonlocality_history.png")]
+            files.append(plots.nonlocality_history(hist, out / "nonlocality_history.png"))
         result["curves"] = curves(run_dir)
         if result["curves"]["step"]:
             files.append(plots.training_curves(result["curves"], out / "training_curves.png"))
