@@ -178,15 +178,23 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
 
     path = Path(path)
     section = model_section(path)
-    state = None if path.is_dir() else read_state_dict(path)  # a file that holds no weights is named as such
+    if section is None and name is None and path.is_file():
+        read_state_dict(path)  # a file that holds no weights is named as such, before the missing model name
     if section is None and name is None:
         raise BadInput(f"{path}: weights without a model config (not an exported run checkpoint); "
                        f"pass the model name (--model)")
     m = ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in (section or {}).items()})
     if name is not None:
         m.name = name
+    state = consolidate(path) if path.is_dir() else read_state_dict(path)
+    head = state["head.weight"].shape[0] if "head.weight" in state else None
+    if num_classes is not None and head is not None and num_classes != head:
+        raise BadInput(f"--num-classes {num_classes}: the weights in {path} have a head of {head} classes; allowed: "
+                       f"{head}, or leave --num-classes out (the weights' own)")
     if num_classes is not None:
         m.num_classes = num_classes
+    elif section is None and head is not None:  # weights alone: the classes of their head, at any --img-size
+        m.num_classes = head
     if img_size is not None:
         spec = MODELS[m.name]
         patch, own = m.patch_size or spec.patch_size, m.img_size or spec.img_size
@@ -194,9 +202,7 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
             raise BadInput(f"--img-size {img_size}: not a multiple of the model's patch size {patch}; allowed: a "
                            f"multiple of {patch} (the model's own: {own})")
         m.img_size = img_size
-    elif section is None and state is not None and "head.weight" in state:  # weights alone: classes of their head
-        m.num_classes = state["head.weight"].shape[0]
     opts = {**model_options(m), "drop_path_rate": 0.0}
     model = create_model(m.name, **opts)
-    load_pretrained(model, consolidate(path) if state is None else state)
+    load_pretrained(model, state)
     return model.eval()

@@ -137,7 +137,7 @@ def test_export_refuses_a_wrong_suffix_and_an_existing_folder(tmp_path, capsys):
     folder.mkdir()
     refused(["export", "--checkpoint", ckpt, "--out", folder], capsys, str(folder), "existing folder")
     refused(["export", "--checkpoint", tmp_path / "nockpt", "--out", tmp_path / "new" / "deep" / "m.safetensors"],
-            capsys, str(tmp_path / "nockpt"), "not a complete checkpoint")
+            capsys, str(tmp_path / "nockpt"), "does not exist", "allowed: a run folder")
     refused(["export", "--checkpoint", ckpt, "--out", tmp_path / "new" / "deep" / "m.safetensors"], capsys,
             str(ckpt), "neither a DCP nor a DeepSpeed checkpoint")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "m.safetensors", "meta.json"]  # no .tmp or folder

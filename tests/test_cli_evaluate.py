@@ -138,3 +138,21 @@ def test_eval_at_another_size_builds_the_model_there_or_refuses_in_one_line(run,
     assert main(["eval", "--checkpoint", f"{tmp_path}:best", "--data", str(fm_tree)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "checkpoint not found" in err[0] and "is not a run folder (no checkpoints/)" in err[1]
+
+
+def test_head_size_flags_against_weights_alone(weights, fm_tree, tmp_path, capsys):
+    """Before: --img-size stopped eval from reading the classes from the weights' head (`head.bias: file (10,) vs
+    model (1000,)`); --num-classes 1000 on 10-class weights was refused as a shape mismatch of keys, not named; the
+    results file said "num_classes": null; export of a missing checkpoint said "no meta.json"."""
+    path = weights[0]
+    r, printed = _results(capsys, tmp_path, path, fm_tree, "--model", "convit_nano", "--img-size", "32")
+    assert r["img_size"] == 32 and r["num_classes"] == 10 and r["images"] == 200
+    assert main(["eval", "--checkpoint", str(path), "--model", "convit_nano", "--data", str(fm_tree),
+                 "--num-classes", "1000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --num-classes 1000: the weights in {path} have a head of 10 classes; allowed: 10, or "
+                   f"leave --num-classes out (the weights' own)"], err
+    missing = tmp_path / "no_such_run"
+    assert main(["export", "--checkpoint", str(missing), "--out", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} does not exist" in err and "meta.json" not in err.split("allowed")[0]

@@ -46,7 +46,8 @@ def _cmd_eval(args) -> int:
                      for i, c in enumerate(r["per_class"]) if c["images"]]
         results = {"checkpoint": str(checkpoint), "model": name, "data": args.data, "format": fmt,
                    "images": r["samples"], "top1": r["top1"], "top5": r["top5"], "loss": r["loss"],
-                   "img_size": img_size, **view, "view_from": source, "device": str(on), "per_class": per_class}
+                   "img_size": img_size, **view, "num_classes": model.num_classes, "view_from": source,
+                   "device": str(on), "per_class": per_class}
         path = Path(args.results_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, results)
