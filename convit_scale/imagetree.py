@@ -40,6 +40,19 @@ def list_classes(train_dir: Path) -> list[str]:
     return classes
 
 
+def is_val_only(root: Path) -> bool:
+    """A validation split alone, as timm's validate.py and torchvision's ImageFolder read one: class folders directly
+    in ``root`` (``/data/imagenet/val``), no train/ or val/ folder."""
+    return (root.is_dir() and not (root / "train").exists() and not (root / "val").exists()
+            and any(p.is_dir() for p in root.iterdir()))
+
+
+def tree_classes(root: Path) -> list[str]:
+    """The classes of an ImageFolder tree: its train/ folders, or a val-only tree's own folders (sorted synsets, the
+    labels torchvision's ImageFolder gives them)."""
+    return list_classes(root if is_val_only(root) else root / "train")
+
+
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
 

@@ -15,7 +15,7 @@ from ..files import write_json_atomic
 from .argtypes import device, non_negative_int, positive_int
 
 FORMAT_HELP = ("ffcv, wds or imagefolder (default: read from --data: its manifest.json's format, or imagefolder "
-               "for a folder whose train/ holds class folders)")
+               "for a folder whose train/ holds class folders, or that holds the validation class folders itself)")
 
 
 def _cmd_eval(args) -> int:
@@ -38,6 +38,8 @@ def _cmd_eval(args) -> int:
     r = evaluate(model.to(on).eval(), loader, on, num_classes=model.num_classes if args.results_file else None)
     print(f"{name}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['samples']} images on {on}, {fmt} data, "
           f"{img_size} px, crop ratio {view['eval_crop_ratio']:g}, {view['interpolation']}: {source})")
+    if r["undecodable"]:  # scored are the images that decoded; these are named, not replaced by others
+        print(f"{len(r['undecodable'])} undecodable image(s) not scored: {', '.join(r['undecodable'])}")
     if str(checkpoint) != args.checkpoint:
         print(f"checkpoint: {checkpoint}")
     if args.results_file:
@@ -47,7 +49,7 @@ def _cmd_eval(args) -> int:
         results = {"checkpoint": str(checkpoint), "model": name, "data": args.data, "format": fmt,
                    "images": r["samples"], "top1": r["top1"], "top5": r["top5"], "loss": r["loss"],
                    "img_size": img_size, **view, "num_classes": model.num_classes, "view_from": source,
-                   "device": str(on), "per_class": per_class}
+                   "device": str(on), "undecodable": r["undecodable"], "per_class": per_class}
         path = Path(args.results_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, results)

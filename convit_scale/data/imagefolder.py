@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from convit_scale.imagetree import list_classes, scan_split, subsample
+from convit_scale.imagetree import is_val_only, scan_class_folders, scan_split, subsample, tree_classes
 
 from ..config import DataConfig
 from .batch import Batch
@@ -26,8 +26,8 @@ class _SeededImages(Dataset):
     MAX_REPLACEMENTS = 64
     """Unreadable files in a row before giving up on finding a replacement."""
 
-    def __init__(self, samples: list[tuple[str, int]], transform):
-        self.samples, self.transform = samples, transform
+    def __init__(self, samples: list[tuple[str, int]], transform, replace: bool = True, img_size: int = 224):
+        self.samples, self.transform, self.replace, self.img_size = samples, transform, replace, img_size
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -36,6 +36,8 @@ class _SeededImages(Dataset):
         """(image, label, bad): a file that cannot be read or decoded is replaced by the next readable file of
         the sample list (index + 1, + 2, ...), augmented with the view's own seed, and listed in ``bad``."""
         index, seed = item
+        if not self.replace:
+            return self._scored_or_not(index, seed)
         bad = []
         for j in range(index, index + min(len(self.samples), self.MAX_REPLACEMENTS)):
             path, label = self.samples[j % len(self.samples)]
@@ -51,6 +53,20 @@ class _SeededImages(Dataset):
         return self.transform(img), label, bad
 
 
+    def _scored_or_not(self, index: int, seed: int):
+        """An evaluation's sample: an undecodable file is not replaced by another image (which would be scored in
+        its place) but marked with label -1, which evaluation does not score, and listed in ``bad``."""
+        path, label = self.samples[index]
+        seed_host(seed)
+        try:
+            img = Image.open(path).convert("RGB")
+        except DECODE_ERRORS as e:
+            blank = self.transform(Image.new("RGB", (self.img_size, self.img_size)))  # the batch's shape and dtype
+            return blank, -1, [{"file": path, "key": Path(path).stem, "reason": f"unreadable image ({reason_of(e)})",
+                                "scored": False}]
+        return self.transform(img), label, []
+
+
 def _collate(items) -> Batch:
     images, labels = default_collate([(x, y) for x, y, _ in items])
     return Batch(images, labels, bad=[record for _, _, bad in items for record in bad])
@@ -59,8 +75,9 @@ def _collate(items) -> Batch:
 def imagefolder_samples(root: Path, split: str, fraction: float,
                         num_classes: int | None = None) -> list[tuple[str, int]]:
     """(path, label) of a split (train: its Table 2 subset), in the first ``num_classes`` classes (None: all)."""
-    classes = list_classes(root / "train")
-    samples, _ = scan_split(root, split, classes)
+    classes = tree_classes(root)
+    val_only = split == "val" and is_val_only(root)  # `eval --data /data/imagenet/val`: the split is the root
+    samples, _ = scan_class_folders(root, classes) if val_only else scan_split(root, split, classes)
     if num_classes is not None:
         samples = [s for s in samples if s.label < num_classes]
     if split == "train":
@@ -73,7 +90,7 @@ class ImageFolderLoader:
 
     def __init__(self, d: DataConfig, spec: LoaderSpec):
         root = Path(d.train_path if spec.train else d.val_path)
-        if not (root / spec.split).is_dir():
+        if not (root / spec.split).is_dir() and not (spec.split == "val" and is_val_only(root)):
             raise DataError(f"data.{'train' if spec.train else 'val'}_path: no {spec.split} folder in {root}")
         self.samples = imagefolder_samples(root, spec.split, d.subset_fraction, d.num_classes)
         self.d, self.spec = d, spec
@@ -81,7 +98,7 @@ class ImageFolderLoader:
         on_device = spec.augment_on_device
         transform = (build_train_transform(d, spec.img_size, on_device) if spec.train
                      else build_eval_transform(d, spec.img_size, on_device))
-        self.dataset = _SeededImages(self.samples, transform)
+        self.dataset = _SeededImages(self.samples, transform, replace=spec.train, img_size=spec.img_size)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(root))
         self.num_real = self.geometry.num_real
 
