@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .errors import BadInput
+
 # ---------------------------------------------------------------------------------------------------------
 # The policy, parsed from timm's string
 # ---------------------------------------------------------------------------------------------------------
@@ -62,13 +64,13 @@ class RandAugmentPolicy:
         """Parse timm's RandAugment string; anything timm would read differently is refused."""
         sections = policy.split("-") if isinstance(policy, str) else []
         if not sections or sections[0] != "rand":
-            raise ValueError(f"RandAugment policy {policy!r} is not supported; supported: {_SUPPORTED}")
+            raise BadInput(f"RandAugment policy {policy!r} is not supported; supported: {_SUPPORTED}")
         values: dict = {}
         for section in sections[1:]:
             match = re.fullmatch(r"(mstd|mmax|inc|m|n|p)(\d.*)", section)
             if match is None:
-                raise ValueError(f"RandAugment policy {policy!r}: section {section!r} is not supported; "
-                                 f"supported: {_SUPPORTED}")
+                raise BadInput(f"RandAugment policy {policy!r}: section {section!r} is not supported; "
+                               f"supported: {_SUPPORTED}")
             key, raw = match.groups()
             try:
                 if key == "mstd":
@@ -85,8 +87,8 @@ class RandAugmentPolicy:
                 else:
                     values["prob"] = float(raw)
             except ValueError:
-                raise ValueError(f"RandAugment policy {policy!r}: section {section!r} has a bad number; "
-                                 f"supported: {_SUPPORTED}") from None
+                raise BadInput(f"RandAugment policy {policy!r}: section {section!r} has a bad number; "
+                               f"supported: {_SUPPORTED}") from None
         return cls(**values)
 
 
@@ -97,7 +99,7 @@ def unsupported_on_device(d) -> str | None:
     if d.rand_augment is not None:
         try:
             RandAugmentPolicy.parse(d.rand_augment)
-        except ValueError as e:
+        except BadInput as e:
             return f"data.rand_augment = {d.rand_augment!r} does not run on the device ({e}); use data.augment_on=cpu"
         if d.interpolation != "bicubic":
             return (f"RandAugment's geometric ops run bicubic on the device, the recipe asks data.interpolation = "

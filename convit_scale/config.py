@@ -22,9 +22,10 @@ from typing import Any, Literal
 import yaml
 
 from .augment_policy import unsupported_on_device
+from .errors import BadInput
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A recipe key or value that is not allowed."""
 
 

@@ -51,26 +51,35 @@ def evaluate(forward, loader, device: torch.device, max_batches: int | None = No
     Each rank counts its own share on ``device`` (uint8 batches are normalised there), the padding that evens the
     ranks out (past ``loader.num_real``) does not count, and one reduction adds the counts up: every rank returns
     the same numbers. Every rank runs the same number of forwards (a sharded model's forward is a collective).
+    An image the loader could not decode comes with label -1 (ImageFolder's evaluation): it is not scored, and
+    ``undecodable`` names its file (every rank's, gathered only when there is one).
     ``loader``: a data loader, or anything with ``epoch(0)`` yielding (x, y) and ``num_real``."""
-    counts = torch.zeros(4 + 2 * (num_classes or 0), dtype=torch.float64, device=device)
-    seen = 0
+    counts = torch.zeros(5 + 2 * (num_classes or 0), dtype=torch.float64, device=device)  # 4: undecodable
+    seen, undecodable = 0, []
     with contextlib.closing(iter(loader.epoch(0))) as batches:
-        for i, (x, y) in enumerate(batches):
+        for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
+            x, y = batch
+            undecodable += [b["file"] for b in getattr(batch, "bad", ()) if b.get("scored") is False]
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if x.dtype == torch.uint8:  # resized and cropped on the CPU, normalised here
                 x = normalize(x)
-            real = (torch.arange(len(y), device=device) + seen) < loader.num_real
+            image = (torch.arange(len(y), device=device) + seen) < loader.num_real  # not the ranks' padding
+            real, y = image & (y >= 0), y.clamp_min(0)
             seen += len(y)
             logits = forward(x)
             counts[:4] += topk_counts(logits, y, real)
+            counts[4] += (image & ~real).sum()
             if num_classes:
-                counts[4:] += class_counts(logits, y, real, num_classes)
+                counts[5:] += class_counts(logits, y, real, num_classes)
     counts = comm.all_reduce(counts)
     result = summarize(counts[:4])
+    # the same count on every rank: all gather, or none does; a padding rank's copy of a file is listed once
+    result["undecodable"] = sorted({f for files in comm.all_gather_object(undecodable) for f in files}) \
+        if counts[4] > 0 else []
     if num_classes:
-        correct, images = counts[4:].view(2, num_classes).tolist()
+        correct, images = counts[5:].view(2, num_classes).tolist()
         result["per_class"] = [{"top1": 100 * c / max(n, 1.0), "images": int(n)} for c, n in zip(correct, images)]
     return result
 

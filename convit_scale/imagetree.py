@@ -16,10 +16,12 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from .errors import BadInput
+
 IMAGE_EXTENSIONS = {".jpeg", ".jpg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff"}
 
 
-class PrepError(RuntimeError):
+class PrepError(BadInput, RuntimeError):
     """A problem with the source that stops conversion (one line, names the input)."""
 
 
@@ -36,6 +38,19 @@ def list_classes(train_dir: Path) -> list[str]:
     if not classes:
         raise PrepError(f"no class folders in {train_dir}")
     return classes
+
+
+def is_val_only(root: Path) -> bool:
+    """A validation split alone, as timm's validate.py and torchvision's ImageFolder read one: class folders directly
+    in ``root`` (``/data/imagenet/val``), no train/ or val/ folder."""
+    return (root.is_dir() and not (root / "train").exists() and not (root / "val").exists()
+            and any(p.is_dir() for p in root.iterdir()))
+
+
+def tree_classes(root: Path) -> list[str]:
+    """The classes of an ImageFolder tree: its train/ folders, or a val-only tree's own folders (sorted synsets, the
+    labels torchvision's ImageFolder gives them)."""
+    return list_classes(root if is_val_only(root) else root / "train")
 
 
 def _files(folder: Path) -> list[Path]:

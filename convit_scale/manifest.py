@@ -39,11 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import BadInput
 from .ffcv_threads import importing_ffcv
 from .files import write_json_atomic
 
 
-class DataError(RuntimeError):
+class DataError(BadInput, RuntimeError):
     """Unusable data (missing files, a truncated shard, a manifest mismatch): one line naming the input."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .errors import BadInput
 from .files import write_atomic
 
 FILENAME = "metrics.jsonl"
@@ -113,8 +114,8 @@ def check_log_backends(log) -> None:
         try:
             __import__(module)
         except ImportError as e:
-            raise ValueError(f"log.{module} = true needs the {package} package: pip install {package} (or set "
-                             f"log.{module}=false)") from e
+            raise BadInput(f"log.{module} = true needs the {package} package: pip install {package} (or set "
+                           f"log.{module}=false)") from e
 
 
 def wandb_mode(requested: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .config import ModelConfig, model_options
+from .errors import BadInput
 from .files import atomic_path
 from .models import MODELS, create_model, load_pretrained, read_state_dict
 
@@ -112,9 +113,9 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     if not (checkpoint_dir / "meta.json").is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
     if out.suffix != ".safetensors":
-        raise ValueError(f"export --out {out}: export writes safetensors; allowed: a file name ending in .safetensors")
+        raise BadInput(f"export --out {out}: export writes safetensors; allowed: a file name ending in .safetensors")
     if out.is_dir():
-        raise ValueError(f"export --out {out} is an existing folder; allowed: a file name ending in .safetensors")
+        raise BadInput(f"export --out {out} is an existing folder; allowed: a file name ending in .safetensors")
     state = consolidate(checkpoint_dir)
     meta = json.loads((checkpoint_dir / "meta.json").read_text())
     created = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder made here
@@ -147,8 +148,8 @@ def model_section(path: Path) -> dict | None:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
         except Exception as e:  # safetensors' own error types for a file that is not one
-            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}); "
-                             f"allowed: {CHECKPOINTS}") from e
+            raise BadInput(f"{path}: not a readable safetensors file ({type(e).__name__}); "
+                           f"allowed: {CHECKPOINTS}") from e
         return json.loads(meta["model"]) if "model" in meta else None
     return None
 
@@ -177,25 +178,31 @@ def load_trained_model(path: str | Path, name: str | None = None, num_classes: i
 
     path = Path(path)
     section = model_section(path)
-    state = None if path.is_dir() else read_state_dict(path)  # a file that holds no weights is named as such
+    if section is None and name is None and path.is_file():
+        read_state_dict(path)  # a file that holds no weights is named as such, before the missing model name
     if section is None and name is None:
-        raise ValueError(f"{path}: weights without a model config (not an exported run checkpoint); "
-                         f"pass the model name (--model)")
+        raise BadInput(f"{path}: weights without a model config (not an exported run checkpoint); "
+                       f"pass the model name (--model)")
     m = ModelConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in (section or {}).items()})
     if name is not None:
         m.name = name
+    state = consolidate(path) if path.is_dir() else read_state_dict(path)
+    head = state["head.weight"].shape[0] if "head.weight" in state else None
+    if num_classes is not None and head is not None and num_classes != head:
+        raise BadInput(f"--num-classes {num_classes}: the weights in {path} have a head of {head} classes; allowed: "
+                       f"{head}, or leave --num-classes out (the weights' own)")
     if num_classes is not None:
         m.num_classes = num_classes
+    elif section is None and head is not None:  # weights alone: the classes of their head, at any --img-size
+        m.num_classes = head
     if img_size is not None:
         spec = MODELS[m.name]
         patch, own = m.patch_size or spec.patch_size, m.img_size or spec.img_size
         if img_size % patch:
-            raise ValueError(f"--img-size {img_size}: not a multiple of the model's patch size {patch}; allowed: a "
-                             f"multiple of {patch} (the model's own: {own})")
+            raise BadInput(f"--img-size {img_size}: not a multiple of the model's patch size {patch}; allowed: a "
+                           f"multiple of {patch} (the model's own: {own})")
         m.img_size = img_size
-    elif section is None and state is not None and "head.weight" in state:  # weights alone: classes of their head
-        m.num_classes = state["head.weight"].shape[0]
     opts = {**model_options(m), "drop_path_rate": 0.0}
     model = create_model(m.name, **opts)
-    load_pretrained(model, consolidate(path) if state is None else state)
+    load_pretrained(model, state)
     return model.eval()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from convit_scale.analysis.cka import MinibatchCKA, hsic_unbiased, linear_cka
+from convit_scale.errors import BadInput
 
 
 @pytest.mark.parametrize("tail", [1, 2, 3])
@@ -21,7 +22,7 @@ def test_a_tail_minibatch_of_three_or_fewer_is_left_out_not_fatal(tail):
     assert torch.equal(acc.compute(), full.compute())
     small = MinibatchCKA(1, 1)
     small.update([x[:3]], [x[:3]])
-    with pytest.raises(ValueError, match="more than 3 examples"):
+    with pytest.raises(BadInput, match="more than 3 examples"):
         small.compute()
 
 

@@ -5,6 +5,7 @@ import torch
 
 from convit_scale import create_model
 from convit_scale.analysis.masking import default_specs, gpsa_layers, masked, masking_table, spec_key
+from convit_scale.errors import BadInput
 
 
 def test_specs_name_gpsa_layers():
@@ -15,7 +16,7 @@ def test_specs_name_gpsa_layers():
     assert [spec_key(s) for s in ("first2", "last", "last3", "0,4", "all")] == [
         "first_2", "last", "last_3", "layers_0_4", "all"]
     for bad in ("first0", "10", "last11", "middle", "1,,2"):
-        with pytest.raises(ValueError, match="--masking"):
+        with pytest.raises(BadInput, match="--masking"):
             gpsa_layers(bad, 10)
 
 

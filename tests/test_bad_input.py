@@ -137,7 +137,7 @@ def test_export_refuses_a_wrong_suffix_and_an_existing_folder(tmp_path, capsys):
     folder.mkdir()
     refused(["export", "--checkpoint", ckpt, "--out", folder], capsys, str(folder), "existing folder")
     refused(["export", "--checkpoint", tmp_path / "nockpt", "--out", tmp_path / "new" / "deep" / "m.safetensors"],
-            capsys, str(tmp_path / "nockpt"), "not a complete checkpoint")
+            capsys, str(tmp_path / "nockpt"), "does not exist", "allowed: a run folder")
     refused(["export", "--checkpoint", ckpt, "--out", tmp_path / "new" / "deep" / "m.safetensors"], capsys,
             str(ckpt), "neither a DCP nor a DeepSpeed checkpoint")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "m.safetensors", "meta.json"]  # no .tmp or folder
@@ -289,3 +289,48 @@ def test_train_refusal_in_a_real_process(fm_ffcv, tmp_path):
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-3000:]
     assert "holds ffcv data" in lines[0] and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- a bug is not bad input --------------------------------------------------------------------------------------
+def _bug(*args, **kwargs):
+    raise ValueError("max() arg is an empty sequence")  # what a bug of the code raises, not a refusal of input
+
+
+def test_a_value_error_of_the_code_is_a_crash_not_bad_input(fm_wds, tmp_path, capsys, monkeypatch):
+    """Before: any ValueError was taken for bad input (one `error:` line, exit 2): a bug hid as the user's mistake
+    and a Slurm job ended as refused, without a traceback or a restart. Bad input still refuses in one line."""
+    from support import train_here
+
+    from convit_scale.train import __main__ as rank_main
+    from convit_scale.train import setup
+
+    recipe = _recipe(tmp_path, "wds", fm_wds)
+    refused(["train", "--recipe", recipe, "data.global_batch_size=2048"], capsys, "data.global_batch_size = 2048")
+    assert rank_main.main(["--recipe", str(recipe), "data.global_batch_size=2048"]) == 2
+    assert "error: " in capsys.readouterr().err
+    monkeypatch.setattr(setup, "build_model", _bug)  # a bug in set-up, on a rank
+    with pytest.raises(ValueError, match="empty sequence"):
+        train_here(recipe)
+    monkeypatch.setattr(rank_main, "preflight", _bug)  # a bug in the checks before the process group forms
+    with pytest.raises(ValueError, match="empty sequence"):
+        rank_main.main(["--recipe", str(recipe)])
+    monkeypatch.setattr("convit_scale.config.load_config", _bug)
+    with pytest.raises(ValueError, match="empty sequence"):
+        main(["config", str(recipe)])
+
+
+def test_a_bug_in_a_ranks_set_up_ends_it_as_a_crash_with_its_traceback(fm_wds, tmp_path):
+    """The rank as srun starts it: a bug is exit status 1 and a traceback (slurm/launch.sh restarts a crash; status 2,
+    bad input, it does not)."""
+    import subprocess
+    import sys
+
+    recipe = _recipe(tmp_path, "wds", fm_wds)
+    code = ("import sys; import convit_scale.train.setup as s\n"
+            "def bug(*a, **k):\n    raise ValueError('max() arg is an empty sequence')\n"
+            "s.build_model = bug\nfrom convit_scale.train.__main__ import main\n"
+            f"sys.exit(main(['--recipe', {str(recipe)!r}]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" in res.stderr and "ValueError: max() arg is an empty sequence" in res.stderr
+    assert "error: max()" not in res.stderr

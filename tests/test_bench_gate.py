@@ -2,6 +2,8 @@
 
 import pytest
 
+from convit_scale.errors import BadInput
+
 
 def test_gate_bench_times_each_candidate_on_a_real_zero_step():
     """`bench gate`'s measurement at test size, in this process (a one-rank group): the hooks it replaced, the fused
@@ -10,7 +12,7 @@ def test_gate_bench_times_each_candidate_on_a_real_zero_step():
     from convit_scale.bench.gate import worker as gate_worker
     from convit_scale.models import create_model
 
-    with pytest.raises(ValueError, match="--strategies ddp: allowed: zero1, zero2, zero3"):
+    with pytest.raises(BadInput, match="--strategies ddp: allowed: zero1, zero2, zero3"):
         bench_gate("convit_nano", 16, 2, 1, ["ddp"], "cpu", "fp32")
     row = gate_worker({"model": "convit_nano", "img_size": 16, "batch": 2, "steps": 1, "strategy": "zero2",
                   "precision": "bf16", "device": "cpu", "repeat": 2})

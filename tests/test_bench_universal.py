@@ -2,6 +2,8 @@
 
 import pytest
 
+from convit_scale.errors import BadInput
+
 
 def test_universal_bench_converts_a_zero_checkpoint_and_refuses_other_strategies(tmp_path):
     """`bench universal` at test size: a one-step ZeRO-2 run on 1 rank (in this process), its checkpoint converted,
@@ -9,7 +11,7 @@ def test_universal_bench_converts_a_zero_checkpoint_and_refuses_other_strategies
     at 20 ms each."""
     from convit_scale.bench.universal import bench_universal
 
-    with pytest.raises(ValueError, match="--strategies fsdp2: allowed: zero1, zero2, zero3"):
+    with pytest.raises(BadInput, match="--strategies fsdp2: allowed: zero1, zero2, zero3"):
         bench_universal(tmp_path, "convit_nano", 28, [1], ["zero2", "fsdp2"])
     (row,) = bench_universal(tmp_path, "convit_nano", 28, [1], ["zero2"])["rows"]
     assert row["zero_bytes"] > 0 and row["universal_bytes"] > 0 and row["seconds"] > 0, row

@@ -138,3 +138,75 @@ def test_eval_at_another_size_builds_the_model_there_or_refuses_in_one_line(run,
     assert main(["eval", "--checkpoint", f"{tmp_path}:best", "--data", str(fm_tree)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "checkpoint not found" in err[0] and "is not a run folder (no checkpoints/)" in err[1]
+
+
+def test_head_size_flags_against_weights_alone(weights, fm_tree, tmp_path, capsys):
+    """Before: --img-size stopped eval from reading the classes from the weights' head (`head.bias: file (10,) vs
+    model (1000,)`); --num-classes 1000 on 10-class weights was refused as a shape mismatch of keys, not named; the
+    results file said "num_classes": null; export of a missing checkpoint said "no meta.json"."""
+    path = weights[0]
+    r, printed = _results(capsys, tmp_path, path, fm_tree, "--model", "convit_nano", "--img-size", "32")
+    assert r["img_size"] == 32 and r["num_classes"] == 10 and r["images"] == 200
+    assert main(["eval", "--checkpoint", str(path), "--model", "convit_nano", "--data", str(fm_tree),
+                 "--num-classes", "1000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --num-classes 1000: the weights in {path} have a head of 10 classes; allowed: 10, or "
+                   f"leave --num-classes out (the weights' own)"], err
+    missing = tmp_path / "no_such_run"
+    assert main(["export", "--checkpoint", str(missing), "--out", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} does not exist" in err and "meta.json" not in err.split("allowed")[0]
+
+
+def test_eval_of_a_val_only_tree_scores_the_images_it_decodes(weights, fm_tree, tmp_path, capsys):
+    """`eval --data /data/imagenet/val` as timm's validate.py users run it: class folders directly in --data, the
+    classes read from them (sorted, as torchvision's ImageFolder). Before: refused ("source has no train folder");
+    and an undecodable JPEG was replaced by another image and counted, and nothing said so."""
+    import shutil
+
+    val = tmp_path / "val"
+    shutil.copytree(fm_tree / "val", val)
+    classes = sorted(p.name for p in val.iterdir() if p.is_dir())
+    broken = sorted((val / "dress").iterdir())[5]
+    broken.write_bytes(broken.read_bytes()[:40])  # the JPEG's header alone: it does not decode
+    out = _eval(capsys, weights[0], val, "--results-file", str(tmp_path / "r.json"))
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["format"] == "imagefolder" and r["images"] == 199 and r["undecodable"] == [str(broken)]
+    assert [c["class"] for c in r["per_class"]] == classes
+    assert [c["images"] for c in r["per_class"]] == [19 if c == broken.parent.name else 20 for c in classes]
+    assert "(199 images on cpu, imagefolder data" in out and f"1 undecodable image(s) not scored: {broken}" in out
+    # the 199 images scored are the 199 that decode: the same numbers as the tree without the broken file
+    broken.unlink()
+    r2 = json.loads((tmp_path / "r.json").read_text()) if _eval(
+        capsys, weights[0], val, "--results-file", str(tmp_path / "r.json")) else None
+    assert r2["images"] == 199 and r2["undecodable"] == [] and r2["top1"] == pytest.approx(r["top1"])
+    assert r2["per_class"] == r["per_class"] and r2["loss"] == pytest.approx(r["loss"])
+
+
+def test_undecodable_images_on_two_ranks(weights, fm_tree, tmp_path, capsys):
+    """Sharded over 2 ranks (gloo; 199 images: one rank's share padded), the evaluation scores the same images as on
+    one and names the undecodable one on every rank."""
+    import os
+    import shutil
+    import subprocess
+
+    from support import REPO, torchrun_cmd
+
+    val = tmp_path / "val"
+    shutil.copytree(fm_tree / "val", val)
+    (val / "bag" / "extra.JPEG").write_bytes((sorted((val / "bag").iterdir())[0]).read_bytes())  # 201 files
+    broken = sorted((val / "sandal").iterdir())[7]
+    broken.write_bytes(b"\xff\xd8\xff\xe0 not a JPEG")
+    _eval(capsys, weights[0], val, "--results-file", str(tmp_path / "one.json"))
+    one = json.loads((tmp_path / "one.json").read_text())
+    out = tmp_path / "ranks"
+    out.mkdir()
+    res = subprocess.run(torchrun_cmd(2, str(REPO / "tests" / "dist_eval_check.py"), str(weights[0]), str(val),
+                                      str(out)), capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    assert one["images"] == ranks[0]["samples"] == 200 and ranks[0]["undecodable"] == [str(broken)]
+    assert ranks[0]["top1"] == pytest.approx(one["top1"]) and ranks[0]["loss"] == pytest.approx(one["loss"])
+    assert [c["images"] for c in ranks[0]["per_class"]] == [c["images"] for c in one["per_class"]]

@@ -20,6 +20,7 @@ from convit_scale.data.device_augment import (
     sample_plan,
     uniforms,
 )
+from convit_scale.errors import BadInput
 
 DEIT_HPARAMS = dict(translate_const=int(224 * 0.45), img_mean=(124, 116, 104), interpolation=Image.BICUBIC)
 POLICY = "rand-m9-mstd0.5-inc1"
@@ -138,7 +139,7 @@ def test_policy_parsing_matches_timm_and_refuses_the_rest():
     assert plain.ops == RAND_OPS and plain.num_layers == 3 and plain.prob == 0.8
     assert plain.magnitude_std == math.inf and plain.magnitude_max == 12.0
     for bad in ("augmix-m5", "original-mstd0.5", "rand-m9-tweights", "rand-x3", "rand-m9-inc", "rand-p0.5.5"):
-        with pytest.raises(ValueError, match="supported") as err:
+        with pytest.raises(BadInput, match="supported") as err:
             RandAugmentPolicy.parse(bad)
         assert bad in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="reprob"):

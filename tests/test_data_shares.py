@@ -10,6 +10,7 @@ import pytest
 from convit_scale.config import group_shares, load_config, shares_note
 from convit_scale.data import LoaderSpec
 from convit_scale.data.geometry import EpochGeometry, MicroPart
+from convit_scale.errors import BadInput
 from convit_scale.train.distributed import check_world
 
 
@@ -66,5 +67,5 @@ def test_check_world_gives_the_busiest_ranks_micro_batch_and_every_ranks_accumul
     assert check_world(cfg, 24) == (32, 1) and check_world(cfg, 32) == (16, 1)
     cfg.data.micro_batch_size = 16
     assert check_world(cfg, 24) == (16, 2)
-    with pytest.raises(ValueError, match="33 ranks exceed the 32 canonical groups"):
+    with pytest.raises(BadInput, match="33 ranks exceed the 32 canonical groups"):
         check_world(cfg, 33)

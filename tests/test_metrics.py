@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from convit_scale.config import LogConfig
+from convit_scale.errors import BadInput
 from convit_scale.metrics import (
     WANDB_ID_FILE,
     MetricsWriter,
@@ -63,7 +64,7 @@ def test_wandb_mode(monkeypatch):
 
 def test_a_missing_package_is_refused_naming_the_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` raises ImportError for
-    with pytest.raises(ValueError, match=r"log.wandb = true needs the wandb package: pip install wandb"):
+    with pytest.raises(BadInput, match=r"log.wandb = true needs the wandb package: pip install wandb"):
         check_log_backends(LogConfig(wandb=True))
     check_log_backends(LogConfig())  # not asked for: not needed
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from convit_scale import create_model, list_models
+from convit_scale.errors import BadInput
 from convit_scale.models import PAPER_MODELS
 
 
@@ -30,7 +31,7 @@ def test_parameter_counts_match_table1():
 
 
 def test_unknown_model_name():
-    with pytest.raises(ValueError, match="unknown model 'convit_huge'"):
+    with pytest.raises(BadInput, match="unknown model 'convit_huge'"):
         create_model("convit_huge")
 
 

@@ -8,6 +8,7 @@ import timm
 import torch
 
 from convit_scale import create_model
+from convit_scale.errors import BadInput
 from convit_scale.models import WeightsMismatch, load_pretrained
 
 
@@ -61,7 +62,7 @@ def test_pickle_checkpoint_is_not_executed(tmp_path):
             return (print, ("pwned",))
 
     torch.save({"model": Evil()}, tmp_path / "evil.pth")
-    with pytest.raises(ValueError, match="weights-only"):
+    with pytest.raises(BadInput, match="weights-only"):
         create_model("convit_nano", pretrained_file=str(tmp_path / "evil.pth"))
 
 

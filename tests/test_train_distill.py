@@ -11,6 +11,7 @@ import torch
 from support import losses, records, run_cli, run_many, tiny_recipe
 
 from convit_scale.config import load_config
+from convit_scale.errors import BadInput
 from convit_scale.train import distill
 
 TEACHER = "regnety_002"  # the RegNetY family of the paper's RegNetY-16GF, CPU-sized
@@ -291,7 +292,7 @@ def test_the_accuracy_band_refuses_a_teacher_above_it(fm_wds, teacher, tmp_path,
     ctx = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), is_main=True)
     top1 = distill.evaluate(model, loader, ctx.device)["top1"]
     assert top1 > 0  # a random 10-class teacher gets some right
-    with pytest.raises(ValueError, match=r"above distill.teacher_max_top1 = 0: wrong file"):
+    with pytest.raises(BadInput, match=r"above distill.teacher_max_top1 = 0: wrong file"):
         distill.check_teacher(model, cfg, loader, ctx)
     cfg.distill.teacher_max_top1 = 100.0
     distill.check_teacher(model, cfg, loader, ctx)  # inside the band

@@ -3,30 +3,31 @@
 import pytest
 
 from convit_scale.config import load_config
+from convit_scale.errors import BadInput
 from convit_scale.train.distributed import check_world, solve_batch
 
 
 def test_global_batch_is_solved_or_refused():
     assert solve_batch(1024, 8, None) == (128, 1)
     assert solve_batch(1024, 8, 32) == (32, 4)
-    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+    with pytest.raises(BadInput, match="cannot be split over 3 ranks"):
         solve_batch(1024, 3, None)
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(BadInput, match="does not divide"):
         solve_batch(1024, 8, 48)
 
 
 def test_world_checks_name_the_key():
     cfg = load_config(None, ["parallel.strategy=none"])
-    with pytest.raises(ValueError, match="parallel.strategy = 'none' on 2 ranks"):
+    with pytest.raises(BadInput, match="parallel.strategy = 'none' on 2 ranks"):
         check_world(cfg, 2)
     six = load_config(None, ["data.global_batch_size=6"])  # 3 canonical groups of 2 (Mixup pairs in a group)
     assert six.data.groups == 3 and check_world(six, 3) == (2, 1) and check_world(six, 1) == (6, 1)
     assert check_world(six, 2) == (4, 1)  # unequal shares: rank 0 holds 2 groups, rank 1 one
     assert check_world(load_config(None, ["data.global_batch_size=6", "data.micro_batch_size=2"]), 2) == (2, 2)
-    with pytest.raises(ValueError, match="4 ranks exceed the 3 canonical groups of data.global_batch_size = 6 "
+    with pytest.raises(BadInput, match="4 ranks exceed the 3 canonical groups of data.global_batch_size = 6 "
                                          r"\(data.canonical_groups = 3; .*at most 3 ranks$"):
         check_world(six, 4)
-    with pytest.raises(ValueError, match="data.micro_batch_size = 3 is not a whole number of canonical groups of 2"):
+    with pytest.raises(BadInput, match="data.micro_batch_size = 3 is not a whole number of canonical groups of 2"):
         check_world(load_config(None, ["data.global_batch_size=6", "data.micro_batch_size=3"]), 1)
 
 

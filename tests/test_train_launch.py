@@ -9,6 +9,7 @@ from support import tiny_recipe
 
 from convit_scale.config import load_config
 from convit_scale.data import DataError
+from convit_scale.errors import BadInput
 from convit_scale.train.launch import run_recipe, write_resolved
 
 
@@ -24,9 +25,9 @@ def test_the_resolved_config_the_ranks_load_is_the_config(fm_wds, tmp_path):
 def test_what_would_fail_is_refused_before_any_process_or_file(fm_wds, tmp_path):
     recipe = tiny_recipe(tmp_path / "r.yaml", "wds", fm_wds, tmp_path / "out", parallel={"strategy": "none"})
     cfg = load_config(recipe)
-    with pytest.raises(ValueError, match="nproc = 0: the number of local processes must be at least 1"):
+    with pytest.raises(BadInput, match="nproc = 0: the number of local processes must be at least 1"):
         run_recipe(cfg, nproc=0)
-    with pytest.raises(ValueError, match="parallel.strategy = 'none' on 2 ranks would train independent replicas"):
+    with pytest.raises(BadInput, match="parallel.strategy = 'none' on 2 ranks would train independent replicas"):
         run_recipe(cfg, nproc=2)  # the check that needs the world size, after the preflight
     with pytest.raises(DataError, match="fewer than data.global_batch_size = 4096"):  # the preflight's
         run_recipe(load_config(recipe, ["data.global_batch_size=4096"]), nproc=1, in_process=True)

@@ -11,6 +11,7 @@ from support import tiny_recipe
 
 from convit_scale.config import load_config
 from convit_scale.data import DataError
+from convit_scale.errors import BadInput
 from convit_scale.train.preflight import preflight
 
 
@@ -26,7 +27,7 @@ def test_a_recipe_in_order_passes_and_nothing_is_written(fm_wds, tmp_path):
 
 def test_the_output_folder_and_the_datas_files_are_checked(fm_wds, tmp_path):
     (tmp_path / "a_file").write_text("x")
-    with pytest.raises(ValueError, match=r"^run.output_dir = .*a_file/out: .*a_file is a file, not a folder"):
+    with pytest.raises(BadInput, match=r"^run.output_dir = .*a_file/out: .*a_file is a file, not a folder"):
         preflight(_cfg(tmp_path, fm_wds, f"run.output_dir={tmp_path / 'a_file' / 'out'}"))
     with pytest.raises(DataError, match=r"^data.val_path: .*nowhere does not exist$"):
         preflight(_cfg(tmp_path, fm_wds, f"data.val_path={tmp_path / 'nowhere'}"))

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from convit_scale import trained
 from convit_scale.config import load_config
+from convit_scale.errors import BadInput
 from convit_scale.models import create_model
 from convit_scale.trained import consolidate, eval_view, export, load_trained_model, run_checkpoint
 
@@ -61,7 +62,7 @@ def test_a_dcp_checkpoint_exports_and_loads_as_the_same_model(tmp_path):
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[k], v.float()) for k, v in model.state_dict().items())
 
-    with pytest.raises(ValueError, match="allowed: a file name ending in .safetensors"):
+    with pytest.raises(BadInput, match="allowed: a file name ending in .safetensors"):
         export(checkpoint, tmp_path / "model.pt")
     out = export(checkpoint, tmp_path / "new" / "model.safetensors")
     assert eval_view(out) == eval_view(checkpoint) == {"eval_crop_ratio": 0.9, "interpolation": "bicubic",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import BadInput
+
 
 def hsic_unbiased(K: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
     """Song et al. (2012) unbiased HSIC of two (n, n) Gram matrices, n > 3.
@@ -68,8 +70,8 @@ class MinibatchCKA:
 
     def compute(self) -> torch.Tensor:
         if self.examples == 0:
-            raise ValueError(f"CKA needs a minibatch of more than 3 examples; got {self.skipped} example(s) in "
-                             f"smaller ones")
+            raise BadInput(f"CKA needs a minibatch of more than 3 examples; got {self.skipped} example(s) in "
+                           f"smaller ones")
         return self.xy / torch.sqrt(self.xx[:, None].clamp_min(1e-30) * self.yy[None, :].clamp_min(1e-30))
 
 

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from ..errors import BadInput
 from ..evaluation import Batches, evaluate
 from ..models.convit import GPSA, ConViT
 
@@ -27,7 +28,7 @@ def gpsa_layers(spec: str, n_gpsa: int) -> tuple[int, ...]:
     and what is allowed otherwise."""
     m = SPEC.match(spec)
     if m is None:
-        raise ValueError(f"--masking {spec!r}: allowed: {SPECS_HELP}")
+        raise BadInput(f"--masking {spec!r}: allowed: {SPECS_HELP}")
     first, last, listed = m.groups()
     if first is not None:
         layers = tuple(range(int(first)))
@@ -38,8 +39,8 @@ def gpsa_layers(spec: str, n_gpsa: int) -> tuple[int, ...]:
     else:
         layers = tuple(sorted({int(i) for i in listed.split(",")}))
     if not layers or min(layers) < 0 or max(layers) >= n_gpsa:
-        raise ValueError(f"--masking {spec!r}: names GPSA layers {list(layers)}, the model has {n_gpsa} "
-                         f"(0..{n_gpsa - 1}); allowed: {SPECS_HELP}")
+        raise BadInput(f"--masking {spec!r}: names GPSA layers {list(layers)}, the model has {n_gpsa} "
+                       f"(0..{n_gpsa - 1}); allowed: {SPECS_HELP}")
     return layers
 
 

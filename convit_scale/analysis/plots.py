@@ -30,10 +30,18 @@ def gating_heatmap(gates: list[list[float]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def nonlocality_per_layer(values: list[float], n_gpsa: int, path: Path) -> Path:
+def nonlocality_per_layer(values: list[float], n_gpsa: int, path: Path, compare: list[float] | None = None,
+                          names: tuple[str, str] = ("model", "compare")) -> Path:
+    """Nonlocality of each layer (Eq. 8); with ``compare``, the second model's beside it, as Fig. 5 sets the ConViT
+    against the DeiT (the first model's GPSA layers in orange)."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     colors = ["tab:orange" if i < n_gpsa else "tab:blue" for i in range(len(values))]
-    ax.bar(range(len(values)), values, color=colors)
+    width = 0.4 if compare is not None else 0.8
+    offset = -width / 2 if compare is not None else 0.0
+    ax.bar(np.arange(len(values)) + offset, values, width=width, color=colors, label=names[0])
+    if compare is not None:
+        ax.bar(np.arange(len(compare)) + width / 2, compare, width=width, color="tab:grey", label=names[1])
+        ax.legend(fontsize=7)
     ax.set_xlabel("layer (orange: GPSA, blue: self-attention)")
     ax.set_ylabel("nonlocality (patches)")
     ax.set_title("nonlocality per layer (Eq. 8)")
@@ -91,7 +99,7 @@ def gating_history(hist: dict, path: Path) -> Path:
     layers = g.shape[1]
     fig, axes = plt.subplots(1, layers, figsize=(2.2 * layers, 2.4), squeeze=False, sharey=True)
     for layer in range(layers):
-        axes[0, layer].plot(hist["epoch"], g[:, layer, :])
+        axes[0, layer].plot(hist["epoch"], g[:, layer, :], marker="o", ms=3)  # one evaluation is one point
         axes[0, layer].axhline(1 / (1 + np.exp(-1.0)), ls="--", lw=0.8, c="grey")  # lambda's init, 1: 0.731
         axes[0, layer].set_title(f"layer {layer}", fontsize=8)
         axes[0, layer].set_xlabel("epoch")
@@ -104,7 +112,7 @@ def nonlocality_history(hist: dict, path: Path) -> Path:
     n = np.array(hist["nonlocality"])  # (records, layers)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for layer in range(n.shape[1]):
-        ax.plot(hist["epoch"], n[:, layer], label=f"layer {layer}")
+        ax.plot(hist["epoch"], n[:, layer], marker="o", ms=3, label=f"layer {layer}")
     ax.set_xlabel("epoch")
     ax.set_ylabel("nonlocality (patches)")
     ax.legend(fontsize=6, ncol=2)
@@ -115,7 +123,7 @@ def training_curves(curves: dict, path: Path) -> Path:
     """Training loss and learning rate against the step, top-1 against the epoch, beside the paper's top-1 where the
     recipe names it (dashed)."""
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    axes[0].plot(curves["step"], curves["loss"], lw=0.8)
+    axes[0].plot(curves["step"], curves["loss"], lw=0.8, marker="o" if len(curves["step"]) == 1 else None)
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("training loss")
     axes[1].plot(curves["step"], curves["lr"], lw=0.8)

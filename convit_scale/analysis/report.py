@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import DataConfig
 from ..data import LoaderSpec, build_loader
+from ..errors import BadInput
 from ..metrics import read_records
 from ..models import MODELS
 from ..models.convit import ConViT
@@ -86,8 +87,8 @@ def cnn_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     info = getattr(model, "feature_info", None)
     if info:
         return [(f["module"], model.get_submodule(f["module"])) for f in info]
-    raise ValueError(f"{type(model).__name__}: no residual blocks (layer1-4) or feature_info to compare layer by "
-                     f"layer; allowed: a ConViT/DeiT, or a timm ResNet or CNN with feature_info")
+    raise BadInput(f"{type(model).__name__}: no residual blocks (layer1-4) or feature_info to compare layer by "
+                   f"layer; allowed: a ConViT/DeiT, or a timm ResNet or CNN with feature_info")
 
 
 @torch.no_grad()
@@ -132,11 +133,18 @@ def load_compare(path: str | Path, name: str | None = None) -> nn.Module:
         return load_trained_model(path, name)
 
     if not is_model(name):
-        raise ValueError(f"--compare-model {name!r} is neither one of this project's models nor a timm model")
+        raise BadInput(f"--compare-model {name!r} is neither one of this project's models nor a timm model")
     classifier = get_pretrained_cfg_value(name, "classifier") or "fc"
     head = read_state_dict(path).get(f"{classifier}.weight")
     return load_timm_model(name, path, num_classes=None if head is None else head.shape[0],
                            what=f"--compare {path}", name_key="--compare-model").eval()
+
+
+def write_masking_table(table: dict, path: Path) -> Path:
+    """The masking's top-1 (Tables 5 and 6) as a CSV file: one row per condition (``none``: unmasked)."""
+    rows = ["condition,top1"] + [f"{name},{top1:.4f}" for name, top1 in table.items()]
+    path.write_text("\n".join(rows) + "\n")
+    return path
 
 
 def history(run_dir: Path) -> dict:
@@ -186,12 +194,12 @@ def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None,
         "masking_images": n_images if masking_data is None else masking_data.num_real,
         "cka_self": cka_matrix(model, model, batches).tolist(),
         "query_patch": query,
+        "names": list(names),
     }
-    files = [plots.gating_heatmap(result["gating"], out / "gating.png"),
-             plots.nonlocality_per_layer(result["nonlocality"], model.local_up_to_layer, out / "nonlocality.png"),
-             plots.attention_maps(maps, first[0].cpu(), query, grid, result["gating"], out / "attention_maps.png"),
-             plots.attention_distance(result["attention_distance_px"], out / "attention_distance.png"),
-             plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
+    files = [plots.gating_heatmap(result["gating"], out / "gating.png")] if result["gating"] else []  # a DeiT: none
+    files += [plots.attention_maps(maps, first[0].cpu(), query, grid, result["gating"], out / "attention_maps.png"),
+              plots.attention_distance(result["attention_distance_px"], out / "attention_distance.png"),
+              plots.cka_heatmap(result["cka_self"], names[0], names[0], out / "cka_self.png")]
     if compare is not None:
         result["cka_compare"] = cka_matrix(model, compare, batches).tolist()
         if isinstance(compare, ConViT):
@@ -199,12 +207,16 @@ def analyze(model: ConViT, batches, out: Path, compare: nn.Module | None = None,
         else:
             result["compare_layers"] = [name for name, _ in cnn_layers(compare)]
         files.append(plots.cka_heatmap(result["cka_compare"], names[0], names[1], out / "cka_compare.png"))
+    files += [plots.nonlocality_per_layer(result["nonlocality"], model.local_up_to_layer, out / "nonlocality.png",
+                                          result.get("compare_nonlocality"), names),
+              write_masking_table(result["masking_top1"], out / "masking_top1.csv")]
     if run_dir is not None:
         hist = history(run_dir)
         result["history"] = hist
+        if hist["epoch"] and hist["gating"][0]:  # a DeiT has no gating to follow
+            files.append(plots.gating_history(hist, out / "gating_history.png"))
         if hist["epoch"]:
-            files += [plots.gating_history(hist, out / "gating_history.png"),
-                      plots.nonlocality_history(hist, out / "nonlocality_history.png")]
+            files.append(plots.nonlocality_history(hist, out / "nonlocality_history.png"))
         result["curves"] = curves(run_dir)
         if result["curves"]["step"]:
             files.append(plots.training_curves(result["curves"], out / "training_curves.png"))

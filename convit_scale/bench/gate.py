@@ -22,6 +22,7 @@ import torch
 
 from .. import comm
 from ..config import OptimConfig, ParallelConfig
+from ..errors import BadInput
 from ..models import create_model
 from ..parallel import build_strategy
 from ..parallel.zero_engine import partition_square_sum
@@ -107,7 +108,7 @@ def bench_gate(model: str, img_size: int, batch: int, steps: int, strategies: li
     off, DeepSpeed's own check."""
     bad = [s for s in strategies if s not in ("zero1", "zero2", "zero3")]
     if bad:
-        raise ValueError(f"--strategies {','.join(bad)}: allowed: zero1, zero2, zero3 (the gate is ZeRO's)")
+        raise BadInput(f"--strategies {','.join(bad)}: allowed: zero1, zero2, zero3 (the gate is ZeRO's)")
     rows = []
     for strategy in strategies:
         r = run_worker("gate", {"model": model, "img_size": img_size, "batch": batch, "steps": steps,

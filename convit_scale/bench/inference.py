@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import BadInput
 from ..models import MODELS, create_model
 from .worker import run_worker, timed
 
@@ -44,7 +45,7 @@ def bench_inference(sizes: list[str], batch: int, steps: int, warmup: int, round
                     precision: str) -> dict:
     unknown = sorted(set(sizes) - set(SIZES))
     if unknown:
-        raise ValueError(f"bench inference --sizes {','.join(unknown)}: allowed: {', '.join(SIZES)}")
+        raise BadInput(f"bench inference --sizes {','.join(unknown)}: allowed: {', '.join(SIZES)}")
     best: dict[str, float] = {}
     for _ in range(rounds):
         for size in sizes:

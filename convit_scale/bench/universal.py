@@ -9,6 +9,7 @@ from pathlib import Path
 
 from data_prep.fashion_mnist import build_tree
 
+from ..errors import BadInput
 from ..models import create_model
 from ..parallel.universal import UNIVERSAL, conversion_files, conversion_wait_s, folder_bytes, universal_checkpoint
 from ..train.checkpoint import latest_checkpoint
@@ -43,8 +44,8 @@ def bench_universal(work: Path, model: str, img_size: int, worlds: list[int], st
     ranks would wait for it (``conversion_wait_s`` with the default ``parallel.timeout_s``)."""
     bad = [s for s in strategies if not s.startswith("zero")]
     if bad:
-        raise ValueError(f"--strategies {','.join(bad)}: allowed: zero1, zero2, zero3 (only ZeRO checkpoints are "
-                         f"converted)")
+        raise BadInput(f"--strategies {','.join(bad)}: allowed: zero1, zero2, zero3 (only ZeRO checkpoints are "
+                       f"converted)")
     tree = build_tree(work / "tree", {"train": 20, "val": 4})
     meta = list(create_model(model, device="meta").parameters())
     params, tensors = sum(p.numel() for p in meta), len(meta)

@@ -2,8 +2,9 @@
 plan. One module per command registers its arguments and its handler.
 
 Bad input has one contract for every command: a refused value or an expected failure (a recipe key, missing
-data, a checkpoint that does not match, a number out of range) prints one line ``error: <message>`` on stderr
-and exits with status 2, checked before any work starts. Only a bug shows a traceback.
+data, a checkpoint that does not match, a number out of range), raised as ``errors.BadInput`` where the input is
+checked, prints one line ``error: <message>`` on stderr and exits with status 2, checked before any work starts.
+Every other exception is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import sys
 
 from .. import __version__
+from ..errors import BadInput
 from . import analyze, bench, config, evaluate, experiment, export, models, plan, prep, train
 from .models import model_table_rows
 
@@ -22,7 +24,7 @@ COMMANDS = (config, models, prep, train, evaluate, export, analyze, bench, exper
 EXIT_BAD_INPUT = 2
 
 
-class UsageError(Exception):
+class UsageError(BadInput):
     """A command line argparse refuses (unknown flag, value out of range)."""
 
 
@@ -87,14 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
-    """Failures that bad input causes: reported as one line, never as a traceback."""
-    from data_prep import PrepError
-
-    from ..config import ConfigError
-    from ..data import DataError
-    from ..models.weights import WeightsMismatch
-
-    return (UsageError, ConfigError, DataError, PrepError, WeightsMismatch, FileNotFoundError, ValueError)
+    """Failures that bad input causes: reported as one line, never as a traceback. ``BadInput`` is raised where input
+    is checked (``errors.py``: recipes, data, weights, flags); a path the user named that is missing is one too. Any
+    other exception, a ``ValueError`` included, is a bug and shows its traceback."""
+    return (BadInput, FileNotFoundError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -106,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except Exception as e:
-        # UsageError first: the other expected errors' classes import torch, seconds a usage error should not cost
-        if not isinstance(e, UsageError) and not isinstance(e, expected_errors()):
+        if not isinstance(e, expected_errors()):
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -24,7 +24,8 @@ def _cmd_analyze(args) -> int:
     model = load_trained_model(checkpoint, args.model).to(on)
     for spec in args.masking or ():  # every spec names GPSA layers the model has, before any image is read
         gpsa_layers(spec, len(model.gpsa_blocks()))
-    compare = load_compare(args.compare, args.compare_model).to(on) if args.compare else None
+    compared = run_checkpoint(args.compare) if args.compare else None  # RUN, RUN:best, ... as --checkpoint
+    compare = load_compare(compared, args.compare_model).to(on) if compared is not None else None
     view = eval_view(checkpoint)
     size = model.patch_embed.img_size[0]
     batches = eval_batches(args.data, fmt, size, args.images, **view)
@@ -35,12 +36,13 @@ def _cmd_analyze(args) -> int:
         masking_data = FirstImages(Batches(batches) if held else eval_loader(args.data, fmt, size, **view),
                                    count)
     run_dir = Path(args.run) if args.run else _run_dir_of(checkpoint)
-    names = (args.name or checkpoint.name,
-             args.compare_name or args.compare_model or (Path(args.compare).name if args.compare else ""))
+    names = (args.name or _label(args.checkpoint, checkpoint, args.model),
+             args.compare_name or (_label(args.compare, compared, args.compare_model) if compared else ""))
     result = analyze(model, batches, Path(args.out), compare=compare, run_dir=run_dir, names=names,
                      masking_data=masking_data, masking_specs=args.masking)
+    masking = ", ".join(f"{k} {v:.2f}" for k, v in result["masking_top1"].items())
     print(f"{result['images']} validation images on {result['device']}; masking top-1 on "
-          f"{result['masking_images']} images: {result['masking_top1']}")
+          f"{result['masking_images']} images (%): {masking}")
     print("wrote " + ", ".join(result["files"]) + f", {Path(args.out) / 'analysis.json'}")
     return 0
 
@@ -60,6 +62,17 @@ def _masking_spec(text: str) -> str:
     if SPEC.match(text) is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed: {SPECS_HELP}")
     return text
+
+
+def _label(spec: str, checkpoint: Path, model: str | None) -> str:
+    """A model's name in the plots: its model and the run it comes from (``convit_small (run_a)``), not the checkpoint
+    folder's name (``best``, ``step_000001000``); a file's stem otherwise."""
+    from ..trained import model_section
+
+    name = model or (model_section(checkpoint) or {}).get("name")
+    run = _run_dir_of(checkpoint)
+    where = run.name if run is not None else (checkpoint.stem if checkpoint.is_file() else checkpoint.name)
+    return f"{name} ({where})" if name and name != where else where
 
 
 def _run_dir_of(checkpoint: Path) -> Path | None:

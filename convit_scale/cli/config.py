@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from ..errors import BadInput
 from .argtypes import int_at_least, recipe
 
 RECIPE_HELP = "a recipe file or a shipped recipe's name (recipes/cpu/demo.yaml)"
@@ -21,11 +22,11 @@ def _cmd_config(args) -> int:
         return 0
     if path is None:  # the older form: the recipe is the first positional argument
         if not overrides or "=" in overrides[0]:
-            raise ValueError(f"config needs --recipe; allowed: {RECIPE_HELP}, as --recipe R or as the first argument")
+            raise BadInput(f"config needs --recipe; allowed: {RECIPE_HELP}, as --recipe R or as the first argument")
         try:
             path = recipe(overrides.pop(0))
         except argparse.ArgumentTypeError as e:
-            raise ValueError(f"argument --recipe: {e}") from None
+            raise BadInput(f"argument --recipe: {e}") from None
     cfg = load_config(path, overrides)
     if args.explain is not None:
         print(explain(args.explain, cfg), end="")
@@ -43,8 +44,8 @@ def _cmd_config(args) -> int:
     value = cfg.to_dict()
     for part in args.get.split("."):
         if not isinstance(value, dict) or part not in value:
-            raise ValueError(f"--get {args.get}: no such key in the config; allowed: a dotted key such as "
-                             f"run.output_dir or data.global_batch_size")
+            raise BadInput(f"--get {args.get}: no such key in the config; allowed: a dotted key such as "
+                           f"run.output_dir or data.global_batch_size")
         value = value[part]
     print(value if not isinstance(value, (dict, list)) else json.dumps(value))
     return 0

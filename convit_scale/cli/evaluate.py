@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import BadInput
 from ..files import write_json_atomic
 from .argtypes import device, non_negative_int, positive_int
 
 FORMAT_HELP = ("ffcv, wds or imagefolder (default: read from --data: its manifest.json's format, or imagefolder "
-               "for a folder whose train/ holds class folders)")
+               "for a folder whose train/ holds class folders, or that holds the validation class folders itself)")
 
 
 def _cmd_eval(args) -> int:
@@ -27,7 +28,7 @@ def _cmd_eval(args) -> int:
     fmt = args.format or detect_format(args.data)  # before the model: bad data is refused before any work
     _check_results_file(args.results_file)
     if args.crop_ratio is not None and not 0.0 < args.crop_ratio <= 1.0:
-        raise ValueError(f"--crop-ratio {args.crop_ratio}: allowed: a number in (0, 1] (0.875: resize 256, crop 224)")
+        raise BadInput(f"--crop-ratio {args.crop_ratio}: allowed: a number in (0, 1] (0.875: resize 256, crop 224)")
     on = resolve_device(args.device)
     checkpoint = run_checkpoint(args.checkpoint)
     name, model, img_size = _load(args, checkpoint)
@@ -37,6 +38,8 @@ def _cmd_eval(args) -> int:
     r = evaluate(model.to(on).eval(), loader, on, num_classes=model.num_classes if args.results_file else None)
     print(f"{name}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['samples']} images on {on}, {fmt} data, "
           f"{img_size} px, crop ratio {view['eval_crop_ratio']:g}, {view['interpolation']}: {source})")
+    if r["undecodable"]:  # scored are the images that decoded; these are named, not replaced by others
+        print(f"{len(r['undecodable'])} undecodable image(s) not scored: {', '.join(r['undecodable'])}")
     if str(checkpoint) != args.checkpoint:
         print(f"checkpoint: {checkpoint}")
     if args.results_file:
@@ -45,7 +48,8 @@ def _cmd_eval(args) -> int:
                      for i, c in enumerate(r["per_class"]) if c["images"]]
         results = {"checkpoint": str(checkpoint), "model": name, "data": args.data, "format": fmt,
                    "images": r["samples"], "top1": r["top1"], "top5": r["top5"], "loss": r["loss"],
-                   "img_size": img_size, **view, "view_from": source, "device": str(on), "per_class": per_class}
+                   "img_size": img_size, **view, "num_classes": model.num_classes, "view_from": source,
+                   "device": str(on), "undecodable": r["undecodable"], "per_class": per_class}
         path = Path(args.results_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, results)
@@ -55,7 +59,7 @@ def _cmd_eval(args) -> int:
 
 def _check_results_file(path: str | None) -> None:
     if path and Path(path).is_dir():
-        raise ValueError(f"--results-file {path} is a folder; allowed: a file name (JSON is written there)")
+        raise BadInput(f"--results-file {path} is a folder; allowed: a file name (JSON is written there)")
 
 
 def _view(args, checkpoint) -> tuple[dict, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import BadInput
 from .argtypes import fractions, names, non_negative_int, positive_float, positive_int
 
 
@@ -25,7 +26,7 @@ def _cmd_experiment(args) -> int:
 
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
-        raise ValueError(f"--models: unknown model(s) {', '.join(unknown)}; allowed: {', '.join(MODELS)}")
+        raise BadInput(f"--models: unknown model(s) {', '.join(unknown)}; allowed: {', '.join(MODELS)}")
     table = run_sample_efficiency(Path(args.out), fractions=args.fractions, base_epochs=args.base_epochs,
                                   models=args.models, nproc=args.nproc, train_per_class=args.train_per_class,
                                   val_per_class=args.val_per_class, jobs=args.jobs, seeds=tuple(args.seeds))

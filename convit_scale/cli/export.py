@@ -9,6 +9,9 @@ def _cmd_export(args) -> int:
     from ..trained import export, run_checkpoint
 
     checkpoint = run_checkpoint(args.checkpoint)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {checkpoint} does not exist; allowed: a run folder, "
+                                f"RUN:latest, RUN:best or a checkpoint folder (runs/X/checkpoints/step_...)")
     out = export(checkpoint, Path(args.out))
     print(f"wrote {out} (from {checkpoint})")
     return 0

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 from ..cadence import advice_line
+from ..errors import BadInput
 from ..slurm_scripts import SlurmScript, job_scripts
 from .argtypes import fraction, positive_float, positive_int, recipe
 
@@ -56,7 +57,7 @@ def cpus_per_gpu(flag: float | None, job: SlurmScript | None) -> tuple[float | N
         try:
             return float(slurm), "SLURM_CPUS_PER_TASK"
         except ValueError:
-            raise ValueError(f"SLURM_CPUS_PER_TASK = {slurm!r} is not a number; pass --cpus-per-gpu N") from None
+            raise BadInput(f"SLURM_CPUS_PER_TASK = {slurm!r} is not a number; pass --cpus-per-gpu N") from None
     if job is not None:
         return float(job.cpus_per_task), f"--cpus-per-task of {job.path.name}"
     return None, ""
@@ -69,17 +70,17 @@ def check_shape(cfg, nodes: int, gpus: int) -> None:
 
     try:
         check_world(cfg, nodes * gpus)
-    except ValueError as e:
+    except BadInput as e:
         fits = []
         for n in range(1, max(cfg.data.groups // gpus, 1) + 1):
             try:
                 check_world(cfg, n * gpus)
                 fits.append(n)
-            except ValueError:
+            except BadInput:
                 pass
         counts = ", ".join(map(str, fits)) if fits else "none (change --gpus-per-node)"
-        raise ValueError(f"{nodes} node(s) x {gpus} GPUs: {e}; node counts that work with {gpus} GPUs per node: "
-                         f"{counts}") from None
+        raise BadInput(f"{nodes} node(s) x {gpus} GPUs: {e}; node counts that work with {gpus} GPUs per node: "
+                       f"{counts}") from None
 
 
 def _cmd_plan(args) -> int:
@@ -89,7 +90,7 @@ def _cmd_plan(args) -> int:
     links = Links.of(args.gpu, args.intra_gbytes_per_s, args.inter_gbytes_per_s)
     if args.slurm_jobs:
         if args.nodes or args.gpus_per_node:
-            raise ValueError("--nodes / --gpus-per-node are not allowed with --slurm-jobs: each job has its script's")
+            raise BadInput("--nodes / --gpus-per-node are not allowed with --slurm-jobs: each job has its script's")
         return _slurm_jobs_table(args, links)
     cfg = load_config(args.recipe, args.overrides)
     job = slurm_job_of(args.recipe)

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import BadInput
 from ..hardware import usable_cpus
 from .argtypes import fraction, int_between, positive_int
 
@@ -19,7 +20,7 @@ def _cmd_convert(args) -> int:
 
     missing = [flag for flag, value in (("--src", args.src), ("--out", args.out)) if not value]
     if missing:
-        raise ValueError(f"prep {args.fmt} needs {' and '.join(missing)}")
+        raise BadInput(f"prep {args.fmt} needs {' and '.join(missing)}")
     if args.fmt == "wds":
         own = {"shard_size": args.shard_size, "seed": args.seed}
     else:

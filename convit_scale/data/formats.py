@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..imagetree import list_classes
+from ..imagetree import is_val_only, tree_classes
 from ..manifest import TIMM_INFO, Manifest, described, ffcv_files
 from .faults import DataError
 
@@ -16,7 +16,8 @@ FORMATS = ("ffcv", "wds", "imagefolder")
 def detect_format(location: str) -> str:
     """``manifest.json``'s format (a local folder, or a WebDataset URL template with ``{name}``), ``wds`` for a
     folder of WebDataset shards with timm's ``_info.json``, else ``imagefolder`` for an ImageNet-style tree
-    (``train/<class>/``). Anything else is a DataError naming the location and what was looked for."""
+    (``train/<class>/``) or a validation split alone (class folders in the location, ``imagetree.is_val_only``).
+    Anything else is a DataError naming the location and what was looked for."""
 
     local = "{name}" not in location
     if ffcv_files(location):
@@ -27,7 +28,7 @@ def detect_format(location: str) -> str:
                         f"WebDataset URL template with {{name}}")
     if local and not described(location):
         train = Path(location) / "train"
-        if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
+        if train.is_dir() and any(p.is_dir() for p in train.iterdir()) or is_val_only(Path(location)):
             return "imagefolder"
         if any(Path(location).glob("*.tar")):
             Manifest.read(location)  # refuses shards without a description, naming `prep index`
@@ -41,7 +42,7 @@ def class_names(location: str, fmt: str) -> list[str] | None:
     """The class of each label (ImageNet wnids): the manifest's, or the sorted train folders of an ImageFolder
     root; None when the location does not say."""
     if fmt == "imagefolder":
-        return list_classes(Path(location) / "train")
+        return tree_classes(Path(location))
 
     try:
         return Manifest.read(location).classes or None  # FFCV files and timm's shards name no classes

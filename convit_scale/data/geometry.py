@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import group_shares
+from ..errors import BadInput
 from .faults import DataError
 from .order import contiguous_range, epoch_views, views_per_rank
 
@@ -77,8 +78,8 @@ class LoaderSpec:
         if self.train:
             b, k, w, m = self.global_batch, self.groups, self.world_size, self.micro_batch_size
             if b % k or not 1 <= w <= k or m % (b // k):
-                raise ValueError(f"LoaderSpec: a global batch of {b} in {k} canonical groups does not split over "
-                                 f"{w} rank(s) in micro-batches of {m} (B % K == 0, W <= K, micro % (B/K) == 0)")
+                raise BadInput(f"LoaderSpec: a global batch of {b} in {k} canonical groups does not split over "
+                               f"{w} rank(s) in micro-batches of {m} (B % K == 0, W <= K, micro % (B/K) == 0)")
 
     @property
     def train(self) -> bool:

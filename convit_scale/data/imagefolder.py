@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from convit_scale.imagetree import list_classes, scan_split, subsample
+from convit_scale.imagetree import is_val_only, scan_class_folders, scan_split, subsample, tree_classes
 
 from ..config import DataConfig
 from .batch import Batch, stack_views
@@ -23,11 +23,8 @@ from .workers import iterate, loader_options
 class _SeededImages(Dataset):
     """Items are (index, seed): the transform is seeded per sample, so order and resume don't matter."""
 
-    MAX_REPLACEMENTS = 64
-    """Unreadable files in a row before giving up on finding a replacement."""
-
-    def __init__(self, samples: list[tuple[str, int]], transform, train: bool = False):
-        self.samples, self.transform, self.train = samples, transform, train
+    def __init__(self, samples: list[tuple[str, int]], transform, train: bool = False, img_size: int = 224):
+        self.samples, self.transform, self.train, self.img_size = samples, transform, train, img_size
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -42,22 +39,18 @@ class _SeededImages(Dataset):
 
     def __getitem__(self, item):
         """(image, label, bad, index). In training a file that cannot be read or decoded gives (None, seed, [its
-        record], index): the batch replaces it within its canonical group (``_Collate``). In evaluation it is
-        replaced by the next readable file of the sample list (index + 1, + 2, ...) and listed in ``bad``."""
+        record], index): the batch replaces it within its canonical group (``_Collate``). In evaluation it is not
+        replaced by another image (which would be scored in its place) but marked with label -1, which evaluation
+        does not score, and listed in ``bad``."""
         index, seed = item
-        bad = []
-        for j in range(index, index + min(len(self.samples), self.MAX_REPLACEMENTS)):
-            opened = self.open(j)
-            if not isinstance(opened, dict):
-                img, label = opened
-                break
-            bad.append(opened)
+        opened = self.open(index)
+        if isinstance(opened, dict):
             if self.train:
-                return None, seed, bad, index
-        else:
-            raise DataError(f"{self.samples[index][0]}: no readable image in it and the {len(bad) - 1} files after "
-                            f"it; convert with `convit-scale prep` to skip such files")
-        return transform_view(self.transform, img, seed), label, bad, index
+                return None, seed, [opened], index
+            blank = transform_view(self.transform, Image.new("RGB", (self.img_size, self.img_size)), seed)
+            return blank, -1, [{**opened, "scored": False}], index  # the batch's shape and dtype
+        img, label = opened
+        return transform_view(self.transform, img, seed), label, [], index
 
 
 class _Collate:
@@ -76,7 +69,7 @@ class _Collate:
             j = next_good({f - base for f in failed if base <= f < base + self.group}, i - base, self.group)
             if j is None:
                 raise DataError(f"{items[i][2][0]['file']}: no readable image in its canonical group of "
-                                f"{self.group} views")
+                                f"{self.group} views; convert with `convit-scale prep` to skip such files")
             img, label = self.dataset.open(items[base + j][3])
             items[i] = (transform_view(self.dataset.transform, img, items[i][1]), label, items[i][2], items[i][3])
         images = stack_views([item[0] for item in items])
@@ -87,8 +80,9 @@ class _Collate:
 def imagefolder_samples(root: Path, split: str, fraction: float,
                         num_classes: int | None = None) -> list[tuple[str, int]]:
     """(path, label) of a split (train: its Table 2 subset), in the first ``num_classes`` classes (None: all)."""
-    classes = list_classes(root / "train")
-    samples, _ = scan_split(root, split, classes)
+    classes = tree_classes(root)
+    val_only = split == "val" and is_val_only(root)  # `eval --data /data/imagenet/val`: the split is the root
+    samples, _ = scan_class_folders(root, classes) if val_only else scan_split(root, split, classes)
     if num_classes is not None:
         samples = [s for s in samples if s.label < num_classes]
     if split == "train":
@@ -101,7 +95,7 @@ class ImageFolderLoader:
 
     def __init__(self, d: DataConfig, spec: LoaderSpec):
         root = Path(d.train_path if spec.train else d.val_path)
-        if not (root / spec.split).is_dir():
+        if not (root / spec.split).is_dir() and not (spec.split == "val" and is_val_only(root)):
             raise DataError(f"data.{'train' if spec.train else 'val'}_path: no {spec.split} folder in {root}")
         self.samples = imagefolder_samples(root, spec.split, d.subset_fraction, d.num_classes)
         self.d, self.spec = d, spec
@@ -109,7 +103,7 @@ class ImageFolderLoader:
         on_device = spec.augment_on_device
         transform = (build_train_transform(d, spec.img_size, on_device, spec.handover) if spec.train
                      else build_eval_transform(d, spec.img_size, on_device))
-        self.dataset = _SeededImages(self.samples, transform, spec.train)
+        self.dataset = _SeededImages(self.samples, transform, spec.train, spec.img_size)
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(root))
         self.num_real = self.geometry.num_real
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import BadInput
 from ..splitmix import draw, keys_of, srl
 
 GpsaImpl = Literal["fast", "reference"]
@@ -332,11 +333,11 @@ class ConViT(nn.Module):
     ) -> None:
         super().__init__()
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+            raise BadInput(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         if not 0 <= local_up_to_layer < depth:
-            raise ValueError(f"local_up_to_layer must be in [0, {depth - 1}], got {local_up_to_layer}")
+            raise BadInput(f"local_up_to_layer must be in [0, {depth - 1}], got {local_up_to_layer}")
         if img_size % patch_size:
-            raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
+            raise BadInput(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.num_heads = num_heads

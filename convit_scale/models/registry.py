@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..errors import BadInput
 from .convit import ConViT
 from .weights import load_pretrained
 
@@ -80,7 +81,7 @@ def create_model(name: str, pretrained_file: str | None = None, device: str | to
     ``conv_init``, ``train_gating``, ``freeze_gpsa``, ...). ``device="meta"`` builds without memory;
     call ``to_empty`` then ``init_weights()``. ``pretrained_file`` loads published weights (local file)."""
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+        raise BadInput(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     kwargs = MODELS[name].kwargs()
     kwargs.update(options)
     # Always build on the meta device and initialise once with init_weights(): construction costs no

@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 from timm.layers import resample_abs_pos_embed
 
+from ..errors import BadInput
 from .convit import ConViT
 
 
-class WeightsMismatch(ValueError):
+class WeightsMismatch(BadInput, ValueError):
     """A state dict whose keys or shapes do not match the model."""
 
 WEIGHTS_FILES = "a .safetensors file or a .pth/.pt/.bin state dict of tensors"
@@ -46,21 +47,21 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"{path}: not a readable safetensors file "
-                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                             f"allowed: {WEIGHTS_FILES}") from e
+            raise BadInput(f"{path}: not a readable safetensors file "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                           f"allowed: {WEIGHTS_FILES}") from e
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path}: not a weights file ({_unreadable(e)}; a weights-only read runs no pickled code); "
-                         f"allowed: {WEIGHTS_FILES}") from e
+        raise BadInput(f"{path}: not a weights file ({_unreadable(e)}; a weights-only read runs no pickled code); "
+                       f"allowed: {WEIGHTS_FILES}") from e
     # The official ConViT/DeiT releases wrap the weights: {"model": state_dict, ...}.
     for key in ("model", "state_dict", "module"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path}: does not hold a state dict of tensors; allowed: {WEIGHTS_FILES}")
+        raise BadInput(f"{path}: does not hold a state dict of tensors; allowed: {WEIGHTS_FILES}")
     return obj
 
 
@@ -150,7 +151,7 @@ def load_timm_model(name: str, path: str | Path, num_classes: int | None = None,
     try:
         model = timm.create_model(name, pretrained=False, **kwargs)
     except RuntimeError as e:  # timm: unknown model
-        raise ValueError(f"{name_key} = {name!r}: {e}") from e
+        raise BadInput(f"{name_key} = {name!r}: {e}") from e
     state = read_state_dict(path)
     check_state_dict(state, model, what or str(path))
     model.load_state_dict(state, strict=True)

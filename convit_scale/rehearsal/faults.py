@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..errors import BadInput
 from ..train.watchdog import STALE_BEATS, child_states, read_beats
 from .cluster import LocalSlurm
 from .run import (
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = read_script((REPO / args.script).resolve())
         _refuse_bad_input(args, shape)
         parallel = layout(shape, args.overrides)
-    except (Refused, ValueError) as e:
+    except (Refused, BadInput) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

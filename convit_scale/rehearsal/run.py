@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import slurm_scripts
+from ..errors import BadInput
 
 REPO = Path(__file__).resolve().parents[2]
 VAL_PER_CLASS = 20  # 200 images: not a multiple of 32 or 24 ranks, so the evaluation pads
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # a recipe or override refused by load_config
+    except BadInput as e:  # a recipe or override refused by load_config
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -14,8 +14,7 @@ import os
 import sys
 
 from ..config import ConfigError, find_recipe, load_config
-from ..data import DataError
-from ..models.weights import WeightsMismatch
+from ..errors import BadInput
 from .distributed import check_launcher_env
 from .engine import EXIT_BAD_INPUT, exit_status
 from .preflight import preflight
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
         if not args.config and _launch_rank() == 0:  # the other ranks wait at the rendezvous and stop with it
             preflight(cfg)
-    except (ConfigError, DataError, WeightsMismatch, FileNotFoundError, ValueError) as e:
+    except (BadInput, FileNotFoundError) as e:  # anything else is a bug: its traceback, a crash the launcher restarts
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return exit_status(cfg)

@@ -22,11 +22,12 @@ import torch
 from safetensors.torch import save_file
 
 from .. import comm
+from ..errors import BadInput
 from ..files import publish_dir, recover_swap, write_atomic
 from ..trained import BEST, LATEST, PREFIX, complete_checkpoints, latest_checkpoint, weights_metadata
 
 
-class CheckpointIncompatible(ValueError):
+class CheckpointIncompatible(BadInput, ValueError):
     """A checkpoint another run wrote, or a resume that would mix two runs in one folder."""
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import Config, DistillConfig
+from ..errors import BadInput
 from ..evaluation import evaluate
 from ..files import write_json_atomic
 from ..models.weights import load_timm_model
@@ -89,8 +90,8 @@ def check_teacher_hash(d: DistillConfig, cache_dir: Path | None = None) -> str |
         if not digest.startswith(prefix):
             why = (PINNED_TEACHER_HINT if source == "distill.teacher_sha256" else
                    "the file is corrupt or another one; download it again")
-            raise ValueError(f"distill.teacher_checkpoint {path}: its SHA-256 is {digest}, which does not start with "
-                             f"{prefix}, {source}: {why}")
+            raise BadInput(f"distill.teacher_checkpoint {path}: its SHA-256 is {digest}, which does not start with "
+                           f"{prefix}, {source}: {why}")
     return digest
 
 
@@ -127,8 +128,8 @@ def check_teacher(teacher: nn.Module, cfg: Config, loader, ctx, images: int = TE
     if d.teacher_min_top1 is None and d.teacher_max_top1 is None:
         return
     if loader is None:
-        raise ValueError("distill.teacher_min_top1/teacher_max_top1 need validation data (data.val_path) to "
-                         "evaluate the teacher")
+        raise BadInput("distill.teacher_min_top1/teacher_max_top1 need validation data (data.val_path) to "
+                       "evaluate the teacher")
     per_rank = math.ceil(images / (ctx.world_size * cfg.data.eval_batch_size))
     teacher.eval()
     dtype = next(teacher.parameters()).dtype
@@ -141,7 +142,7 @@ def check_teacher(teacher: nn.Module, cfg: Config, loader, ctx, images: int = TE
     if not low <= found["top1"] <= high:
         side = f"below distill.teacher_min_top1 = {low:g}" if found["top1"] < low else \
             f"above distill.teacher_max_top1 = {high:g}"
-        raise ValueError(f"distill.teacher_checkpoint {d.teacher_checkpoint}: the teacher reaches {found['top1']:.2f}% "
-                         f"top-1 on {found['samples']} validation images, {side}: wrong file or wrong architecture "
-                         f"(Table 4 uses DeiT's regnety_160-a5fe301d.pth, 82.9%; timm's default regnety_160 weights "
-                         f"are stronger)")
+        raise BadInput(f"distill.teacher_checkpoint {d.teacher_checkpoint}: the teacher reaches {found['top1']:.2f}% "
+                       f"top-1 on {found['samples']} validation images, {side}: wrong file or wrong architecture "
+                       f"(Table 4 uses DeiT's regnety_160-a5fe301d.pth, 82.9%; timm's default regnety_160 weights "
+                       f"are stronger)")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..config import group_shares
+from ..errors import BadInput
 
 
 @dataclass
@@ -84,14 +85,14 @@ def check_launcher_env(strategy: str, precision: str) -> None:
     wants = [name for name, var in (("FSDP", "ACCELERATE_USE_FSDP"), ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED"))
              if env.get(var, "").lower() == "true"]
     if wants:
-        raise ValueError(
+        raise BadInput(
             f"the accelerate config asks for {wants[0]} (distributed_type {wants[0].upper()}), but the recipe's "
             f"parallel.strategy = '{strategy}' decides the engine: launch with distributed_type MULTI_GPU "
             f"(recipes/accelerate/*.yaml) and set parallel.strategy in the recipe")
     mp = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if mp not in ("no", precision):
-        raise ValueError(f"the accelerate config asks for mixed_precision '{mp}', the recipe for parallel.precision = "
-                         f"'{precision}': set mixed_precision 'no' in the accelerate config (the recipe decides)")
+        raise BadInput(f"the accelerate config asks for mixed_precision '{mp}', the recipe for parallel.precision = "
+                       f"'{precision}': set mixed_precision 'no' in the accelerate config (the recipe decides)")
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -149,14 +150,14 @@ def _restore_env(saved: dict) -> None:
 def solve_batch(global_batch: int, world_size: int, micro_batch: int | None) -> tuple[int, int]:
     """(micro_batch, grad_accumulation) with micro x accumulation x world = global batch, exactly."""
     if global_batch % world_size:
-        raise ValueError(f"data.global_batch_size = {global_batch} cannot be split over {world_size} ranks "
-                         f"(not divisible); choose a world size that divides it")
+        raise BadInput(f"data.global_batch_size = {global_batch} cannot be split over {world_size} ranks "
+                       f"(not divisible); choose a world size that divides it")
     per_rank = global_batch // world_size
     if micro_batch is None:
         return per_rank, 1
     if per_rank % micro_batch:
-        raise ValueError(f"data.micro_batch_size = {micro_batch} does not divide the {per_rank} images per rank "
-                         f"(global batch {global_batch} over {world_size} ranks)")
+        raise BadInput(f"data.micro_batch_size = {micro_batch} does not divide the {per_rank} images per rank "
+                       f"(global batch {global_batch} over {world_size} ranks)")
     return micro_batch, per_rank // micro_batch
 
 
@@ -167,28 +168,28 @@ def check_world(cfg, world_size: int) -> tuple[int, int]:
     groups. Returns (micro_batch, grad_accumulation): with unequal shares, the busiest rank's largest micro-batch and
     the micro-batches every rank runs per step (data/geometry.py)."""
     if cfg.parallel.strategy == "none" and world_size > 1:
-        raise ValueError(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
-                         f"gradient sync: choose ddp, fsdp2 or zero1/2/3, or run one process")
+        raise BadInput(f"parallel.strategy = 'none' on {world_size} ranks would train independent replicas with no "
+                       f"gradient sync: choose ddp, fsdp2 or zero1/2/3, or run one process")
     if cfg.parallel.strategy.startswith("zero") and cfg.parallel.precision == "fp16" and not torch.cuda.is_available() \
             and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        raise ValueError("parallel.precision = 'fp16' with DeepSpeed needs a GPU or a CPU with fp16 support "
-                         "(AVX512-FP16/AMX), which this one lacks: use bf16 or fp32 here")
+        raise BadInput("parallel.precision = 'fp16' with DeepSpeed needs a GPU or a CPU with fp16 support "
+                       "(AVX512-FP16/AMX), which this one lacks: use bf16 or fp32 here")
     batch, groups = cfg.data.global_batch_size, cfg.data.groups
     problem = cfg.data.world_size_problem(world_size)
     if problem is not None:
-        raise ValueError(problem)
+        raise BadInput(problem)
     g = batch // groups
     if groups % world_size:  # unequal shares: micro-batches of whole groups, as many on every rank
         busiest = max(group_shares(groups, world_size)) * g
         micro = cfg.data.micro_batch_size or busiest
         if micro % g:
-            raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of {g} "
-                             f"images (global batch {batch} in data.canonical_groups = {groups})")
+            raise BadInput(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of {g} "
+                           f"images (global batch {batch} in data.canonical_groups = {groups})")
         accum = math.ceil(busiest / micro)
         return math.ceil(busiest // g / accum) * g, accum
     micro, accum = solve_batch(batch, world_size, cfg.data.micro_batch_size)
     if micro % g:
-        raise ValueError(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of "
-                         f"{g} images (global batch {batch} in data.canonical_groups = {groups}): "
-                         f"choose a multiple of {g} that divides {batch // world_size}")
+        raise BadInput(f"data.micro_batch_size = {micro} is not a whole number of canonical groups of "
+                       f"{g} images (global batch {batch} in data.canonical_groups = {groups}): "
+                       f"choose a multiple of {g} that divides {batch // world_size}")
     return micro, accum

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import comm
 from ..config import Config
 from ..data import DataError
-from ..models.weights import WeightsMismatch
+from ..errors import BadInput
 from .distributed import init_distributed
 from .loop import fit
 from .setup import log, setup
@@ -31,7 +31,7 @@ EXIT_NONFINITE = 3
 """Stopped by the non-finite policy, without saving."""
 
 
-class SetupRefused(RuntimeError):
+class SetupRefused(BadInput):
     """The run cannot start as configured (data, checkpoint, world size): a one-line reason, nothing trained."""
 
 
@@ -65,7 +65,7 @@ def train(cfg: Config) -> str:
             log(ctx, watch.describe())
         try:
             run, state = setup(cfg, ctx, stop, watch)
-        except (DataError, FileNotFoundError, WeightsMismatch, ValueError) as e:
+        except (BadInput, FileNotFoundError) as e:  # any other exception is a bug: a crash the launcher restarts
             raise SetupRefused(str(e)) from e
         try:
             outcome = fit(run, state)

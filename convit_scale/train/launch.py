@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
+from ..errors import BadInput
 from .distributed import check_world, free_port
 from .engine import exit_status
 from .preflight import preflight
@@ -71,7 +72,7 @@ def run_recipe(cfg: Config, nproc: int = 1, env: dict | None = None, in_process:
     starts torchrun (static rendezvous on a free port). nproc == 1 runs in this process when ``in_process`` (no
     second interpreter) and otherwise in a child process, so that a library caller keeps its own state."""
     if nproc < 1:
-        raise ValueError(f"nproc = {nproc}: the number of local processes must be at least 1")
+        raise BadInput(f"nproc = {nproc}: the number of local processes must be at least 1")
     preflight(cfg)
     check_world(cfg, nproc)
     if nproc == 1 and in_process and not env:

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import Config, model_options
 from ..data import DataError, Manifest
 from ..data.imagefolder import imagefolder_samples
+from ..errors import BadInput
 from ..imagetree import PrepError, list_classes
 from ..manifest import MANIFEST
 from ..metrics import check_log_backends
@@ -64,12 +65,12 @@ def _check_output_dir(output_dir: str) -> None:
     allowed = "allowed: a folder that can be created and written"
     existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor or "."))
     if not existing.is_dir():
-        raise ValueError(f"run.output_dir = {output_dir}: {existing} is a file, not a folder; {allowed}")
+        raise BadInput(f"run.output_dir = {output_dir}: {existing} is a file, not a folder; {allowed}")
     try:
         with tempfile.TemporaryFile(dir=existing):  # unnamed, gone when closed
             pass
     except OSError as e:
-        raise ValueError(f"run.output_dir = {output_dir}: cannot write in {existing} ({e.strerror}); {allowed}") from e
+        raise BadInput(f"run.output_dir = {output_dir}: cannot write in {existing} ({e.strerror}); {allowed}") from e
 
 
 def _probe_remote(key: str, loc: str) -> Manifest:

@@ -1,0 +1,18 @@
+"""Bad input: what the user can fix, as opposed to a bug.
+
+``BadInput`` is raised where input is checked (a recipe key, a flag, a file or folder, data, a checkpoint): each
+command reports it as one line ``error: <message>`` and exit status 2, and a training rank ends with status 2, which
+the Slurm launcher does not restart. Its kinds: ``config.ConfigError`` (a recipe), ``manifest.DataError`` (data),
+``imagetree.PrepError`` (a source to convert), ``models.weights.WeightsMismatch`` (weights),
+``train.checkpoint.CheckpointIncompatible`` (a checkpoint to resume). Every other exception, a ``ValueError`` of
+the code or of a library included, is a bug: a traceback, and in a job a crash the launcher handles as one.
+"""
+
+from __future__ import annotations
+
+
+class BadInput(Exception):
+    """Input the user can fix: the message names the key, flag or path and what is allowed, in one line."""
+
+
+__all__ = ["BadInput"]
