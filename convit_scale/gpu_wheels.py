@@ -16,6 +16,8 @@ wheels, made for the check only) for what the box already has. The folder travel
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -117,9 +119,6 @@ def folder_bytes(folder: Path) -> int:
 def missing(pairs: list[str]) -> list[str]:
     """The packages of ``module:package`` pairs whose module does not import, all probed in this one interpreter
     (``make gpu-test``: a fresh interpreter per module cost about a minute of the GPU box's time for 24 probes)."""
-    import contextlib
-    import importlib
-
     absent = []
     for pair in pairs:
         module, _, package = pair.partition(":")
