@@ -81,13 +81,13 @@ GPU_ENV = PYTHONPATH=$(abspath $(GPU_SITE)):$(CURDIR):$(CURDIR)/tests
 gpu-test:
 	@$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
 	  echo "error: $(GPU_PYTHON) sees no CUDA device (torch.cuda.is_available() is False); set GPU_PYTHON to the Python with the CUDA torch"; exit 1; }
-	@missing=""; for pair in $(GPU_MODULES); do mod=$${pair%%:*}; pkg=$${pair##*:}; \
-	  $(GPU_ENV) $(GPU_PYTHON) -c "import $$mod" 2>/dev/null || missing="$$missing $$pkg"; done; \
-	if [ -n "$$missing" ]; then echo "Installing into $(GPU_SITE):$$missing"; \
+	@missing=$$($(GPU_ENV) $(GPU_PYTHON) -m convit_scale.gpu_wheels --missing $(GPU_MODULES) 2>/dev/null) || exit 1; \
+	if [ -n "$$missing" ]; then echo "Installing into $(GPU_SITE): $$missing"; \
 	  if [ -n "$(WHEELS)" ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_SITE) $(WHEELS)/*.whl; \
 	  else $(GPU_PYTHON) -m pip install -q $$missing; fi || { echo "error: could not install$$missing (make gpu-wheels builds their folder: pass WHEELS=that/folder)"; exit 1; }; \
-	  for pair in $(GPU_MODULES); do mod=$${pair%%:*}; $(GPU_ENV) $(GPU_PYTHON) -c "import $$mod" || { \
-	    echo "error: $$mod does not import after the install (WHEELS=$(WHEELS) lacks it?)"; exit 1; }; done; fi
+	  still=$$($(GPU_ENV) $(GPU_PYTHON) -m convit_scale.gpu_wheels --missing $(GPU_MODULES)) || exit 1; \
+	  if [ -n "$$still" ]; then echo "error: $$still does not import after the install (WHEELS=$(WHEELS) lacks it?)"; \
+	    exit 1; fi; fi
 	GPU_TEST_GROUP=$(GROUP) GPU_TEST_OUT=$(abspath $(GPU_TEST_OUT)) $(GPU_ENV) $(GPU_PYTHON) -m pytest -m "$(GPU_MARK)" \
 	  -p gpu_report tests/test_gpu.py -v -rs -p no:cacheprovider $(PYTEST_ARGS)
 

@@ -1,5 +1,6 @@
 """``python -m convit_scale.gpu_wheels [FOLDER]`` (``make gpu-wheels``): the folder of wheels a GPU box without network
-lacks, built on a machine with one, checked to resolve for that box, and sized.
+lacks, built on a machine with one, checked to resolve for that box, and sized. ``--missing MODULE:PACKAGE ...``
+(``make gpu-test``): the packages whose module does not import, probed in one interpreter.
 
 The GPU box of ``make gpu-test`` (docs/gpu.md) has Python 3.12 with torch (CUDA), timm, accelerate, rich, pyyaml,
 numba, opencv, matplotlib and pytest; it lacks DeepSpeed, WebDataset and FFCV (skipped there), and pytest-timeout,
@@ -15,6 +16,8 @@ wheels, made for the check only) for what the box already has. The folder travel
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -113,7 +116,25 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
+def missing(pairs: list[str]) -> list[str]:
+    """The packages of ``module:package`` pairs whose module does not import, all probed in this one interpreter
+    (``make gpu-test``: a fresh interpreter per module cost about a minute of the GPU box's time for 24 probes)."""
+    absent = []
+    for pair in pairs:
+        module, _, package = pair.partition(":")
+        # what a module prints on import (DeepSpeed's accelerator line) goes to stderr: stdout is the answer
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                importlib.import_module(module)
+            except Exception:  # any failure to import (a missing compiled dependency too) means: install it
+                absent.append(package or module)
+    return absent
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--missing"]:  # make gpu-test: the packages to install, space-separated, on one line
+        print(" ".join(missing(argv[1:])))
+        return 0
     repo = Path(__file__).resolve().parents[1]
     folder = Path(argv[0]) if argv else repo / "build" / "gpu-wheels"
     fetch(folder, pins())

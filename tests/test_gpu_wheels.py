@@ -27,3 +27,32 @@ def test_the_folder_holds_the_versions_tested_here_and_fits_beside_the_tree():
     pinned = pins()
     assert set(pinned) == {*BUILT, *DOWNLOADED} and all(pinned.values())
     assert tree_bytes(REPO) < BUDGET / 2  # room for the wheels (about 6 MiB)
+
+
+def test_gpu_tests_probe_their_modules_in_one_interpreter(tmp_path):
+    """`make gpu-test` asked a fresh interpreter per module, twice (24 starts, about a minute of the GPU box's time):
+    now one interpreter says which packages are missing. Run with a stand-in GPU_PYTHON that counts its starts (the
+    CUDA check and pytest answered, the probe run for real)."""
+    import os
+    import subprocess
+    import sys
+
+    from convit_scale.gpu_wheels import missing
+
+    assert missing(["json:json", "no_such_module_xyz:no-such-package"]) == ["no-such-package"]
+    starts = tmp_path / "starts"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+echo "$*" >> {starts}
+case "$*" in *torch.cuda*|"-m pytest "*) exit 0;; esac
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "GPU_PYTHON": str(fake)}
+    # WHEELS of an empty folder: a module missing here fails the test rather than installing from the index
+    out = subprocess.run(["make", "-s", "gpu-test", f"GPU_PYTHON={fake}", f"GPU_TEST_OUT={tmp_path}",
+                          f"WHEELS={tmp_path}"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = starts.read_text().splitlines()
+    assert len(lines) == 3 and "--missing" in lines[1], lines

@@ -45,3 +45,31 @@ def test_a_universal_scratch_folder_needs_a_zero_strategy():
     with pytest.raises(ConfigError, match="parallel.zero_universal_scratch = '/local' is not allowed; needs "
                                           "parallel.strategy zero1, zero2 or zero3"):
         load_config(None, ["parallel.strategy=fsdp2", "parallel.zero_universal_scratch=/local"])
+
+
+def test_deepspeeds_throughput_timer_is_off_in_the_engine():
+    """DeepSpeed's throughput timer calls the accelerator's synchronize() at the start and the end of every step from
+    step 2 on: two host waits per ZeRO step. The generated config turns it off, and DeepSpeed's own parser reads it
+    so (the engine builds its ThroughputTimer from ``timers_config``)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils.timer import ThroughputTimer
+
+    from convit_scale.config import load_config
+    from convit_scale.parallel.zero_config import deepspeed_config
+
+    p = load_config(None, ["parallel.strategy=zero2"]).parallel
+    ds = DeepSpeedConfig(deepspeed_config(p, 4, 1, 1, 10**6), mpu=None)
+    assert ds.timers_config.enabled is False
+    timer, syncs = ThroughputTimer(ds.timers_config, batch_size=4), []
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    real = accelerator.synchronize
+    accelerator.synchronize = lambda *a, **k: syncs.append(1)
+    try:
+        for _ in range(4):
+            timer.start()
+            timer.stop(global_step=True)
+    finally:
+        accelerator.synchronize = real
+    assert syncs == []

@@ -88,3 +88,17 @@ def test_a_group_alone_puts_its_launch_variables_back(monkeypatch):
         with pytest.raises(Exception):
             init_distributed("gloo", 5)
     assert not any(k in os.environ for k in keys)
+
+
+def test_one_gpu_per_task_is_detected_with_the_srun_option_that_keeps_nvlink():
+    """srun --gpus-per-task=1 (or --gpu-bind=single) gives each rank a CUDA_VISIBLE_DEVICES of one device on a node
+    of several: NCCL then has no peer access between the node's ranks. Said, with the option that keeps it; a task
+    that sees all of its node's GPUs, or a one-GPU node, is quiet."""
+    from convit_scale.train.distributed import one_gpu_per_task
+
+    line = one_gpu_per_task({"CUDA_VISIBLE_DEVICES": "3", "SLURM_GPUS_ON_NODE": "8"})
+    assert line is not None and "--gpu-bind=none" in line and "--gpus-per-task" in line and "node's 8" in line
+    assert one_gpu_per_task({"CUDA_VISIBLE_DEVICES": "0", "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GPUS_PER_TASK": "1"})
+    assert one_gpu_per_task({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4"}) is None
+    assert one_gpu_per_task({"CUDA_VISIBLE_DEVICES": "0", "SLURM_GPUS_ON_NODE": "1"}) is None
+    assert one_gpu_per_task({}) is None

@@ -201,3 +201,20 @@ def test_child_states_say_where_the_kernel_has_each_worker_wait():
         for p in (sleeper, stopped):
             p.kill()
             p.wait()
+
+
+def test_the_watchdog_decides_before_the_process_group_in_long_phases():
+    """With NCCL's 600 s under the watchdog's 1,800 s long-phase limit, a rank slow in a save for more than 600 s got
+    a waiting rank aborted by NCCL (recorded as that rank's crash, without stacks). The process group's timeout of
+    start-up and long phases is past the watchdog's limits, so the watchdog fires first and names the slow rank; with
+    the watchdog off, parallel.timeout_s stands."""
+    from convit_scale.config import load_config
+    from convit_scale.train.watchdog import long_collective_timeout_s
+
+    cfg = load_config(None, [])
+    pg = long_collective_timeout_s(cfg.parallel, cfg.fault)
+    assert pg > cfg.fault.long_phase_timeout_s and pg > cfg.fault.startup_timeout_s
+    cfg = load_config(None, ["fault.long_phase_timeout_s=4000"])
+    assert long_collective_timeout_s(cfg.parallel, cfg.fault) > 4000
+    cfg = load_config(None, ["fault.enabled=false"])
+    assert long_collective_timeout_s(cfg.parallel, cfg.fault) == cfg.parallel.timeout_s

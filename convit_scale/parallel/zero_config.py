@@ -84,4 +84,9 @@ def deepspeed_config(p, micro_batch: int, grad_accum: int, world_size: int, num_
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronizes the device twice per step from step 2 on (a host wait at the
+        # start and the end of every step) only to log samples/s, which the loop measures itself. The key is read by
+        # deepspeed/utils/config.py (get_timers_config) in every release of the pyproject range: 0.16.0 has the
+        # same key and default.
+        "timers": {"throughput": {"enabled": False}},
     }

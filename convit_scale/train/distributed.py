@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,29 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+def _listed(value: str | None) -> int:
+    """How many devices a list names: "0,1,2" (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, SLURM_JOB_GPUS)."""
+    return len([v for v in (value or "").split(",") if v.strip()])
+
+
+def one_gpu_per_task(env=None) -> str | None:
+    """A line when each task sees one GPU of a node that has more (``srun --gpus-per-task=1``, ``--gpu-bind=single``
+    or a cgroup per task), else None. Each rank then has its own CUDA_VISIBLE_DEVICES of one device: NCCL cannot open
+    CUDA peer access between the ranks' processes, and the node's ranks talk through host memory (SHM) instead of
+    NVLink."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    count = env.get("SLURM_GPUS_ON_NODE", "")  # a number
+    on_node = int(count) if count.isdigit() else _listed(env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS"))
+    per_task = env.get("SLURM_GPUS_PER_TASK")
+    if not ((visible is not None and _listed(visible) == 1 and on_node > 1) or (per_task == "1" and on_node > 1)):
+        return None
+    return (f"each task sees one GPU of the node's {on_node} (CUDA_VISIBLE_DEVICES={visible}"
+            f"{', SLURM_GPUS_PER_TASK=1' if per_task == '1' else ''}): NCCL cannot use NVLink peer access between "
+            f"this node's ranks and goes through host memory; start the step with srun --gpu-bind=none and without "
+            f"--gpus-per-task (ask --gpus-per-node; with slurm/launch.sh: SRUN_ARGS=--gpu-bind=none)")
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:
@@ -121,6 +145,9 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext
             raise RuntimeError("parallel.backend = 'nccl' needs CUDA GPUs; none are visible (use 'gloo' or 'auto')")
         device = device_for(local_rank)
         torch.cuda.set_device(device)
+        binding = one_gpu_per_task()
+        if binding and local_rank == 0:
+            print(f"warning: {binding}", file=sys.stderr, flush=True)
         # Both backends: NCCL for the device tensors of the hot path, gloo for object collectives and any CPU
         # bookkeeping (an NCCL-only group refuses CPU tensors: "No backend type associated with device type cpu").
         pg_backend = "cpu:gloo,cuda:nccl"

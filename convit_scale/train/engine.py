@@ -23,7 +23,7 @@ from .loop import fit
 from .setup import log, setup
 from .signals import EXIT_REQUEUE, StopSignal
 from .step import NonFiniteLoss
-from .watchdog import Watchdog, collective_failure
+from .watchdog import Watchdog, collective_failure, long_collective_timeout_s
 
 EXIT_BAD_INPUT = 2
 """Refused at start-up (data, checkpoint, world size) or data that failed during training: one ``error:`` line."""
@@ -54,7 +54,7 @@ def train(cfg: Config) -> str:
     """Run the recipe on this rank; returns "finished" or "stopped" (after a stop signal, saved)."""
     stop, watch, outcome = StopSignal(), _watchdog(cfg), "ended"
     try:
-        ctx = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        ctx = init_distributed(cfg.parallel.backend, int(long_collective_timeout_s(cfg.parallel, cfg.fault)))
     except BaseException as e:
         watch.stop(_outcome(e))
         stop.restore()

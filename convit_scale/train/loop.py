@@ -25,7 +25,7 @@ from .setup import Run, log
 from .signals import EXIT_REQUEUE
 from .state import TrainState
 from .step import StepResult, steps_of_epoch, train_step
-from .watchdog import EPOCH_START, EVAL, LOG, SAVE
+from .watchdog import EPOCH_START, EVAL, LOG, SAVE, long_collective_timeout_s
 
 
 def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -> None:
@@ -120,9 +120,9 @@ def _meta(run: Run, state: TrainState, reason: str) -> dict:
 @contextlib.contextmanager
 def long_phase(run: Run, phase: str):
     """A phase of the long timeouts (a checkpoint, an evaluation): the watchdog's ``fault.long_phase_timeout_s``, and
-    the process group's start-up timeout (``parallel.timeout_s``) instead of the short one of the steps."""
+    the process group's start-up timeout (``long_collective_timeout_s``) instead of the short one of the steps."""
     run.watch.mark(phase)
-    short = run.watch.started and comm.set_timeout(run.cfg.parallel.timeout_s)
+    short = run.watch.started and comm.set_timeout(long_collective_timeout_s(run.cfg.parallel, run.cfg.fault))
     try:
         yield
     finally:
@@ -162,7 +162,8 @@ def _first_step(run: Run, state: TrainState, resumed_from: int) -> None:
     restart, the fault that caused it completed with the time back and the steps redone."""
     if comm.set_timeout(run.cfg.fault.collective_timeout_s):
         log(run.ctx, f"collective timeout {run.cfg.fault.collective_timeout_s:g} s from now on "
-                     f"(parallel.timeout_s = {run.cfg.parallel.timeout_s} s during start-up, checkpoints, evaluation)")
+                     f"({long_collective_timeout_s(run.cfg.parallel, run.cfg.fault):g} s during start-up, checkpoints, "
+                     f"evaluation)")
     rec = faults.recovered(run.out, resumed_from, state.step) if run.ctx.is_main and resumed_from > 0 else None
     if rec is not None:
         log(run.ctx, f"recovered from the {rec['kind'].replace('_', ' ')} of rank {rec.get('rank')} on "

@@ -82,6 +82,21 @@ class Timeouts:
         return self.long if phase in LONG_PHASES else self.step
 
 
+WATCHDOG_FIRST_S = 60.0
+"""How much longer than the watchdog's limit the process group waits in a long phase: the watchdog wakes every
+second, then asks every rank for its stacks and reads the heartbeats before it ends the rank it names."""
+
+
+def long_collective_timeout_s(parallel, fault) -> float:
+    """The process group's timeout during start-up and the long phases (checkpoints, evaluation): ``parallel.timeout_s``
+    or, with the watchdog on, past its start-up and long-phase limits. One clock decides: with NCCL's 600 s under a
+    1,800 s long-phase limit, a rank slow in a save for more than 600 s got a waiting rank aborted by NCCL, recorded as
+    that rank's crash without stacks; now the watchdog fires first and its report names the slow rank."""
+    if not fault.enabled:
+        return float(parallel.timeout_s)
+    return max(float(parallel.timeout_s), max(fault.startup_timeout_s, fault.long_phase_timeout_s) + WATCHDOG_FIRST_S)
+
+
 @dataclass
 class Watchdog:
     """One rank's watchdog thread (the module says what it does). ``on_hang`` ends the process (``os._exit``); tests
