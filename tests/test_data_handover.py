@@ -144,3 +144,44 @@ def test_imagefolder_and_ffcv_give_a_view_the_same_pixels(on_device, fm_tree, fm
     for a, b in zip(*batches, strict=True):
         assert a.ids == b.ids and torch.equal(a.labels, b.labels) and torch.equal(a.seeds, b.seeds)
         assert torch.equal(a.images.contiguous(), b.images.contiguous())
+
+
+def test_a_micro_batch_slice_is_a_view_of_the_steps_memory():
+    boxes = Boxes.of([(np.full((2, 2, 3), k, np.uint8), bool(k % 2)) for k in range(4)])
+    part = boxes[1:3]
+    assert part.pixels.data_ptr() == boxes.pixels[12:].data_ptr() and part.pixels.tolist() == [1] * 12 + [2] * 12
+    assert part.flips.tolist() == [True, False] and torch.equal(Boxes.cat([boxes[:1], part, boxes[3:]]).pixels,
+                                                                boxes.pixels)
+    views = Encoded.of([(bytes([k]) * (k + 1), Encoded.JPEG, (1, 1), (0, 0, 1, 1), False) for k in range(3)])
+    assert [p.tolist() for p in views[1:].payloads()] == [[1, 1], [2, 2, 2]]
+    assert views[1:].data.data_ptr() == views.data[1:].data_ptr()
+
+
+def test_an_ffcv_file_whose_hand_over_would_not_fit_resizes_on_the_cpu_or_is_refused(fm_ffcv, monkeypatch, capsys):
+    """ffcv's buffers hold a row per view sized for the file's largest image: where they would pass the budget (a
+    .beton of huge originals), resize_on auto keeps the CPU resize and says so; resize_on device is refused."""
+    from convit_scale.data import DataError, ffcv
+
+    monkeypatch.setattr(ffcv, "HANDOVER_BUDGET_BYTES", 1000)
+    auto, _ = _loader("ffcv", fm_ffcv, "box")
+    assert auto.handover == "pixels" and "resized on the CPU" in capsys.readouterr().out
+    assert isinstance(next(iter(auto.epoch(0))).images, torch.Tensor)
+    d = DataConfig(format="ffcv", train_path=str(fm_ffcv), val_path=str(fm_ffcv), resize_on="device", num_workers=0)
+    with pytest.raises(DataError, match=r"GiB of loader buffers per rank .* --max-resolution 512"):
+        build_loader(d, LoaderSpec("train", 28, 16, augment_on_device=True, handover="box"))
+
+
+def test_views_no_decoder_reads_count_against_the_limit_on_every_rank_alike():
+    from types import SimpleNamespace
+
+    from convit_scale.data import DataError
+    from convit_scale.train.step import _limit_device_bad
+
+    run = SimpleNamespace(device_bad={}, cfg=SimpleNamespace(data=DataConfig(max_bad_samples=1)),
+                          ctx=SimpleNamespace(world_size=2))
+    state = SimpleNamespace(epoch=3)
+    bad = [{"key": "a", "reason": "undecodable JPEG (x)", "device": True}, {"file": "f", "reason": "loader's"}]
+    _limit_device_bad(run, state, bad)
+    _limit_device_bad(run, state, bad)  # 2 of the 2 a 2-rank epoch allows
+    with pytest.raises(DataError, match=r"3 views no decoder could read in epoch 3 .* \(the last: a, undecodable"):
+        _limit_device_bad(run, state, bad)

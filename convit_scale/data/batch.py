@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 
 class Batch:
@@ -64,6 +65,12 @@ class Boxes:
         return torch.stack([torch.cumsum(lengths, 0) - lengths, lengths], 1)
 
     def __getitem__(self, rows) -> "Boxes":
+        if isinstance(rows, slice) and rows.step in (None, 1):  # a micro-batch: views of the pinned step's memory
+            start, stop, _ = rows.indices(len(self))
+            spans = self._spans()
+            lo = int(spans[start, 0]) if start < stop else 0
+            hi = int(spans[stop - 1].sum()) if start < stop else 0
+            return Boxes(self.pixels[lo:hi], self.sizes[rows], self.flips[rows])
         index = torch.arange(len(self))[rows]
         spans = self._spans()[index]
         if index.numel() and bool((index[1:] - index[:-1] == 1).all()):  # consecutive: one slice of the buffer
@@ -121,6 +128,12 @@ class Encoded:
         return list(torch.split(self.data, self.meta[:, 0].tolist()))
 
     def __getitem__(self, rows) -> "Encoded":
+        if isinstance(rows, slice) and rows.step in (None, 1):  # a micro-batch: views, no copy
+            start, stop, _ = rows.indices(len(self))
+            ends = torch.cumsum(self.meta[:, 0], 0)
+            lo = int(ends[start - 1]) if start > 0 and start < stop else 0
+            hi = int(ends[stop - 1]) if start < stop else 0
+            return Encoded(self.data[lo:hi], self.meta[rows], self.flips[rows])
         index = torch.arange(len(self))[rows]
         chunks = self.payloads()
         data = torch.cat([chunks[i] for i in index.tolist()] or [self.data[:0]])
@@ -146,8 +159,8 @@ def stack_views(views: list):
     """One batch's images from its views: uint8/float tensors stacked, crop boxes (``(array, flip)``) packed as
     ``Boxes``, undecoded views (5-tuples) as ``Encoded``."""
     first = views[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(views)
+    if isinstance(first, torch.Tensor):  # in a DataLoader worker: straight into shared memory
+        return default_collate(views)
     return Boxes.of(views) if len(first) == 2 else Encoded.of(views)
 
 

@@ -14,7 +14,8 @@ What the loader hands over, by ``data.resize_on`` and ``data.decode_on`` (``Load
 
 A JPEG the device's decoder refuses is decoded on the host (PIL) and counted; one that neither decodes is replaced by
 the next view of its canonical group that did (its image and label, as the loaders replace an undecodable view in the
-other modes) and listed with the batch's bad samples.
+other modes) and listed with the batch's bad samples, which the training step counts against data.max_bad_samples on
+every rank alike (its all-reduced count).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from .batch import Batch, Boxes, Encoded
 from .device_resize import decode_crop_resize, resize_list, resize_packed
-from .faults import DataError, next_good
+from .faults import next_good
 
 
 def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +39,7 @@ def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -
     out, failed = decode_views(images, device, size)
     if failed:
         for i, record in failed.items():
-            batch.bad.append({"key": batch.ids[i] if batch.ids else i, "reason": record["reason"]})
+            batch.bad.append({"key": batch.ids[i] if batch.ids else i, "reason": record["reason"], "device": True})
         out, labels = _replace(out, labels, failed, group)
     return out, labels
 
@@ -53,14 +54,13 @@ def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch
     payloads, meta = views.payloads(), views.meta
     jpeg = (meta[:, 1] == Encoded.JPEG).nonzero().squeeze(1).tolist()
     if len(jpeg) == len(views):  # the usual batch: JPEGs only
-        done = decode_crop_resize(payloads, meta[:, 4:8], size, views.flips.to(device, non_blocking=True), device)
+        done = _decode_on_its_stream(payloads, meta[:, 4:8], size, views.flips, device)
         REFUSED[0] += done.refused
         return done.images, {i: {"reason": f"undecodable JPEG ({why})"} for i, why in done.failed.items()}
     out = torch.empty(len(views), 3, size, size, dtype=torch.uint8, device=device)
     failed = {}
     if jpeg:
-        done = decode_crop_resize([payloads[i] for i in jpeg], meta[jpeg, 4:8], size, views.flips[jpeg].to(device),
-                                  device)
+        done = _decode_on_its_stream([payloads[i] for i in jpeg], meta[jpeg, 4:8], size, views.flips[jpeg], device)
         REFUSED[0] += done.refused
         out[torch.tensor(jpeg, device=device)] = done.images
         failed = {jpeg[k]: {"reason": f"undecodable JPEG ({why})"} for k, why in done.failed.items()}
@@ -74,13 +74,31 @@ def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch
     return out, failed
 
 
+_STREAMS: dict = {}
+
+
+def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips: torch.Tensor, device: torch.device):
+    """``decode_crop_resize`` on a CUDA stream of its own. torchvision's nvJPEG decode allocates its outputs on the
+    current stream but writes them on a private one that waits for no other: from the training stream's pool it could
+    be handed memory that queued training kernels still read. On its own stream, its allocations come from that
+    stream's pool, whose earlier work is finished first; the training stream then waits for the images."""
+    if device.type != "cuda":
+        return decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device)
+    stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    current = torch.cuda.current_stream(device)
+    stream.synchronize()  # the previous batch's decode and resize: no block of this stream's pool is still in use
+    with torch.cuda.stream(stream):
+        done = decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device)
+    current.wait_stream(stream)
+    done.images.record_stream(current)
+    return done
+
+
 def _replace(images: torch.Tensor, labels: torch.Tensor, failed: dict, group: int):
     """Each failed view takes the next view of its canonical group that decoded: its image and its label."""
     for i in sorted(failed):
         base = i - i % group
         j = next_good({f - base for f in failed if base <= f < base + group}, i - base, group)
-        if j is None:
-            raise DataError(f"no view of canonical group {i // group} of the batch decodes "
-                            f"({failed[i]['reason']})")
-        images[i], labels[i] = images[base + j], labels[base + j]
+        if j is not None:  # (no view of the group decodes: its images stay black, counted like the others: the
+            images[i], labels[i] = images[base + j], labels[base + j]  # step's all-reduced count stops every rank)
     return images, labels

@@ -18,6 +18,7 @@ import torch
 from ..ffcv_threads import importing_ffcv
 
 with importing_ffcv():
+    from ffcv.fields.rgb_image import IMAGE_MODES
     from ffcv.loader import Loader, OrderOption
     from ffcv.reader import Reader
     from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
@@ -45,6 +46,10 @@ from .ffcv_epoch import EpochIterator
 from .geometry import EpochGeometry, LoaderSpec
 from .order import view_seeds
 from .private_aug import PrivateAugment
+
+HANDOVER_BUDGET_BYTES = 8 * 2**30
+"""The most a rank's FFCV loader may hold for handing views over (``FfcvLoader._handover``): its slots of rows sized
+for the file's largest image; a .beton of 512-pixel images at batch 256 and 8 workers needs about 4 GiB."""
 
 
 def subset_indices(manifest: Manifest, split: str, fraction: float, fields: tuple[str, str] = FFCV_FIELDS,
@@ -83,22 +88,51 @@ class FfcvLoader:
         self.geometry = EpochGeometry.of(self.num_samples, spec, str(location))
         self.num_real = self.geometry.num_real
         self._loader = None
+        self.handover = self._handover(d, spec) if spec.train else "pixels"
 
     def __len__(self) -> int:
         return self.geometry.num_batches
+
+    def _handover(self, d: DataConfig, spec: LoaderSpec) -> str:
+        """``spec.handover``, where ffcv's buffers for it fit ``HANDOVER_BUDGET_BYTES``: a view handed over has a row
+        of its own sized for the file's largest image (its box, or its raw pixels), in each of the epoch's slots. A
+        .beton that keeps huge originals (``prep ffcv``'s default keeps every JPEG) resizes on the CPU under
+        ``resize_on: auto`` (said once), and is refused where the recipe asks for the hand-over."""
+        if spec.handover == "pixels":
+            return "pixels"
+        reader = Reader(str(self._path))
+        field = reader.metadata[f"f{reader.field_names.index(d.ffcv_fields[0])}"]
+        largest = int(field["height"].astype(np.int64).max() * field["width"].astype(np.int64).max() * 3)
+        if spec.handover == "jpeg":
+            raw = bool((field["mode"] != IMAGE_MODES["jpg"]).any())
+            largest = max(int(reader.alloc_table["size"].max()), largest if raw else 0)
+        workers = max(1, d.num_workers)
+        slots = (max(1, -(-3 // workers)) + 1) * workers + 1  # EpochIterator's, at ffcv's batches_ahead = 3
+        need = largest * spec.micro_batch_size * slots
+        if need <= HANDOVER_BUDGET_BYTES:
+            return spec.handover
+        why = (f"{self._path}: handing views over to the device needs {need / 2**30:.1f} GiB of loader buffers per "
+               f"rank ({spec.micro_batch_size} views x {slots} slots x {largest / 2**20:.1f} MiB, the file's largest "
+               f"image), over {HANDOVER_BUDGET_BYTES / 2**30:.0f} GiB")
+        if d.resize_on == "auto" and d.decode_on == "cpu":
+            if spec.rank == 0:
+                print(f"[convit-scale] {why}: the crops are resized on the CPU (convert with `convit-scale prep ffcv "
+                      f"--max-resolution 512` to hand them over)", flush=True)
+            return "pixels"
+        raise DataError(f"{why}; convert with `convit-scale prep ffcv --max-resolution 512`, or data.resize_on=cpu")
 
     def _image_pipeline(self) -> list:
         d, size, on_device = self.d, self.spec.img_size, self.spec.augment_on_device
         if not self.spec.train:
             return [TimmEvalDecoder((size, size), d.eval_crop_ratio, d.interpolation), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [EvalNormalize()])
-        if self.spec.handover == "box":  # the box at its own size and the flip: the training device resizes
+        if self.handover == "box":  # the box at its own size and the flip: the training device resizes
             return [SeededBoxDecoder(d.hflip, d.crop_scale, self.spec.group_size), ToTensor()]
-        if self.spec.handover == "jpeg":  # the file's bytes, the box and the flip: the training device decodes
+        if self.handover == "jpeg":  # the file's bytes, the box and the flip: the training device decodes
             sizes = Reader(str(self._path)).alloc_table["size"]
             return [SeededJpegDecoder(d.hflip, d.crop_scale, int(sizes.max()) if len(sizes) else 0), ToTensor()]
         crop = SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation, self.spec.group_size)
-        if on_device:  # uint8 crops, channels-last; RandAugment, normalisation and erasing run on the training device
+        if on_device:  # uint8 crops, channels-last (also where the hand-over does not fit); the device augments
             return [crop, ToTensor(), ToTorchImage()]
 
         _, secondary, final = create_transform(
@@ -153,8 +187,8 @@ class FfcvLoader:
             # stay channels-last (NCHW over the decoder's NHWC memory): a plain copy here, and the transposition
             # happens on the training device (device_augment), not in this thread, which every batch passes through.
             # With pinning, the one copy goes straight into page-locked memory (clone, then pin, would be two).
-            if self.spec.handover != "pixels":  # packed into a batch of their own: the rows are ffcv's buffers
-                images = unpack_views(images, self.spec.handover, self.spec.pin_memory)
+            if self.handover != "pixels":  # packed into a batch of their own: the rows are ffcv's buffers
+                images = unpack_views(images, self.handover, self.spec.pin_memory)
             else:
                 images = (torch.empty_like(images, pin_memory=True).copy_(images) if self.spec.pin_memory
                           else images.clone())

@@ -4,7 +4,7 @@ loaders -> model -> strategy -> loss (and teacher) -> resume -> ``Run``, which t
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,6 +63,9 @@ class Run:
     """Set: train batches are uint8 crops, augmented on the device from each sample's seed."""
     watch: Watchdog | None = None
     """This rank's watchdog (watchdog.py): the loop marks its phases in it."""
+    device_bad: dict = field(default_factory=dict)
+    """Epoch -> the views no decoder read in the training device's decode (every rank's), against
+    data.max_bad_samples (the loaders count their own)."""
 
     @property
     def checkpoints(self) -> Path:

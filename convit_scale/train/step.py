@@ -128,6 +128,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     totals = stats.reduce()
     if totals.bad_samples:
         bad_samples = [{**r, "rank": rank} for rank, rs in enumerate(comm.all_gather_object(bad_samples)) for r in rs]
+        _limit_device_bad(run, state, bad_samples)
     # with a loss scaler (fp16) an overflowing gradient is its business, not a bad step; a non-finite loss always is
     bad_grad = not strategy.scales_loss and not math.isfinite(totals.grad_sq)
     norm = math.sqrt(totals.grad_sq) if strategy.norm_is_global and math.isfinite(totals.grad_sq) else None
@@ -181,6 +182,19 @@ def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepSt
     weight = part.samples * run.ctx.world_size * run.accum / run.cfg.data.global_batch_size
     run.strategy.backward(loss if weight == 1 else loss * weight, is_last_micro=m == run.accum - 1,
                           grad_accum=run.accum)
+
+
+def _limit_device_bad(run: Run, state: TrainState, bad_samples: list) -> None:
+    """The views the training device could not decode this epoch, every rank's (the same list on every rank: all
+    stop alike), against data.max_bad_samples per rank."""
+    seen = run.device_bad.get(state.epoch, 0) + sum(1 for r in bad_samples if r.get("device"))
+    run.device_bad[state.epoch] = seen
+    limit = run.cfg.data.max_bad_samples * run.ctx.world_size
+    if seen > limit:
+        last = next(r for r in reversed(bad_samples) if r.get("device"))
+        raise DataError(f"{seen} views no decoder could read in epoch {state.epoch} on the training devices, over "
+                        f"data.max_bad_samples = {run.cfg.data.max_bad_samples} per rank (the last: {last['key']}, "
+                        f"{last['reason']})")
 
 
 def _bad_step(run: Run, state: TrainState, what: str) -> None:
