@@ -81,3 +81,9 @@ def test_verify_names_the_output_it_checked(fm_wds, tmp_path, capsys):
     err = capsys.readouterr().err
     assert shard.name in err and "checksum differs" in err
     assert f"--src {fm_wds}: no train folder" in err
+
+
+def test_verify_of_a_missing_folder_is_bad_input(tmp_path, capsys):
+    assert main(["prep", "verify", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere: no such folder" in err
