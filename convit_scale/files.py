@@ -41,6 +41,25 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def _umask() -> int:
+    # /proc reads it without changing it (os.umask sets it, a race with other threads creating files)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def readable_mode(path: Path) -> None:
+    """Give a file the mode an ordinary ``open`` would (0666 less the umask, 0644 usually): safetensors' writer
+    creates its files 0600, which a teammate evaluating a checkpoint or an export cannot read."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _tmp_name(path: Path) -> Path:
     # per process: two writers of the same file (ranks, a prep resumed beside a crashed one) never share a temporary
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -54,6 +73,8 @@ def atomic_path(path: str | Path, fsync: bool = True) -> Iterator[Path]:
     tmp = _tmp_name(path)
     try:
         yield tmp
+        if tmp.is_file():
+            readable_mode(tmp)
         if fsync:
             fsync_file(tmp)
         os.replace(tmp, path)

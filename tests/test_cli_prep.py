@@ -81,3 +81,16 @@ def test_verify_names_the_output_it_checked(fm_wds, tmp_path, capsys):
     err = capsys.readouterr().err
     assert shard.name in err and "checksum differs" in err
     assert f"--src {fm_wds}: no train folder" in err
+
+
+def test_verify_of_a_missing_folder_is_bad_input(tmp_path, capsys):
+    assert main(["prep", "verify", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere: no such folder" in err
+
+
+def test_a_bare_prep_lists_its_kinds_and_a_misspelt_option_gets_a_suggestion(capsys):
+    assert main(["prep"]) == 2
+    assert "allowed: ffcv, wds, index, verify, fashion-mnist" in capsys.readouterr().err
+    assert main(["prep", "ffcv", "--src", "a", "--out", "b", "--max-resolutoin", "3"]) == 2
+    assert "did you mean --max-resolution?" in capsys.readouterr().err

@@ -40,3 +40,23 @@ def test_publish_dir_swaps_and_recover_puts_back_what_a_crash_left(tmp_path):
     (final / "meta.json").unlink()
     recover_swap(final, "meta.json")  # final exists: left alone
     assert final.is_dir()
+
+
+def test_safetensors_published_through_atomic_path_and_best_are_readable_by_others(tmp_path):
+    import os
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from convit_scale.train.checkpoint import save_best
+
+    old = os.umask(0o022)
+    try:
+        with atomic_path(tmp_path / "export.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))  # safetensors creates its file 0600
+        best = save_best(tmp_path, {"w": torch.zeros(2)}, {"step": 1, "config": {"model": {}}})
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "export.safetensors", best / "model.safetensors", best / "meta.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path

@@ -10,6 +10,7 @@ Every other exception is a bug and shows its traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import sys
 
@@ -64,7 +65,29 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}{_override_hint(message)}{self._choices_hint(message)}")
+        raise UsageError(f"{self.prog}: {message}{_override_hint(message)}{self._choices_hint(message)}"
+                         f"{self._typo_hint(message)}")
+
+    def _option_strings(self) -> set[str]:
+        """Every option of this parser and of its sub-commands' parsers (argparse reports an unknown option from
+        the top parser, which does not know the sub-command it was meant for)."""
+        found = {o for action in self._actions for o in action.option_strings}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found |= sub._option_strings()
+        return found
+
+    def _typo_hint(self, message: str) -> str:
+        """``--max-resolutoin``: did you mean ``--max-resolution``."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = sorted(self._option_strings())
+        for arg in message.partition(":")[2].split():
+            close = difflib.get_close_matches(arg.partition("=")[0], known, n=1) if arg.startswith("--") else []
+            if close:
+                return f"; did you mean {close[0]}?"
+        return ""
 
     def _choices_hint(self, message: str) -> str:
         """A missing sub-command (or positional with choices) names the ones there are (argparse says only that one
@@ -73,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
             return ""
         missing = message.partition(":")[2].replace(",", " ").split()
         for action in self._actions:
-            if action.dest in missing and action.choices:
+            if (action.dest in missing or action.metavar in missing) and action.choices:
                 return f"; allowed: {', '.join(action.choices)} (`{self.prog} --help` says what each does)"
         return ""
 

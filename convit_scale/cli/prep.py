@@ -39,6 +39,8 @@ def _cmd_convert(args) -> int:
 def _cmd_verify(args) -> int:
     from data_prep import verify
 
+    if "://" not in args.dir and not Path(args.dir).is_dir():  # bad input (exit 2), not a problem found in the data
+        raise FileNotFoundError(f"prep verify {args.dir}: no such folder; allowed: a folder `convit-scale prep` wrote")
     notes: list[str] = []
     problems = verify(args.dir, src=args.src, ffcv_fields=args.ffcv_fields, notes=notes)
     for n in notes:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from .. import comm
 from ..errors import BadInput
-from ..files import publish_dir, recover_swap, write_atomic
+from ..files import publish_dir, readable_mode, recover_swap, write_atomic
 from ..trained import BEST, LATEST, PREFIX, complete_checkpoints, latest_checkpoint, weights_metadata
 
 
@@ -206,6 +206,7 @@ def save_best(root: Path, state: dict | None, meta: dict) -> Path:
         tmp.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata=weights_metadata(meta))
+        readable_mode(tmp / "model.safetensors")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish_dir(tmp, final)
     comm.barrier()
