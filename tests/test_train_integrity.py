@@ -14,6 +14,9 @@ from convit_scale.runfolder import EXIT_BAD_INPUT, EXIT_STORAGE, LEASE, check_li
 
 STRATEGIES = ("ddp", "fsdp2", "zero2")
 
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mount needs root; the refusal logic is tested with a "
+                               "disk_usage reading below the need")
+
 
 def _damage(ckpt, strategy):
     """A different damage per strategy: a per-rank shard's bytes changed in place (same size), a file gone, a
@@ -130,8 +133,7 @@ def test_a_save_that_would_not_fit_is_refused_before_it_starts(fm_tree, tmp_path
     assert "resumed from" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (mount is unavailable without it); "
-                    "the refusal logic is tested with a disk_usage reading below the need")
+@ROOT_ONLY
 def test_a_full_file_system_ends_the_save_in_one_line_with_the_earlier_checkpoints_resumable(fm_tree, tmp_path,
                                                                                                capsys):
     """A real small file system (tmpfs): the run saves until the disk is full; the save that hits ENOSPC, or is
@@ -160,6 +162,45 @@ def test_a_full_file_system_ends_the_save_in_one_line_with_the_earlier_checkpoin
         shutil.rmtree(root / "step_000000001")  # room again: the run resumes from its newest
         assert train_here(r, "schedule.max_steps=3", "checkpoint.keep_last=1") == 0
         assert f"resumed from {ckpt} at step 2" in capsys.readouterr().out
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@ROOT_ONLY
+def test_a_save_the_file_system_refuses_is_one_line_and_leaves_nothing_half_written(fm_tree, tmp_path, capsys):
+    """A save that passes the estimate but meets a full disk (ENOSPC mid-write: a real tmpfs without inodes left),
+    and a save into a
+    read-only checkpoints folder (EROFS, a read-only bind mount): one line each, nothing published, the earlier
+    checkpoint resumable."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], check=True)
+    try:
+        out = mnt / "run"
+        r = _saved_run(fm_tree, tmp_path, out, steps=1)
+        root = out / "checkpoints"
+        st = os.statvfs(mnt)  # room for bytes, not for files: the lease, one temporary file, two new folders
+        used = st.f_files - st.f_ffree
+        subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 4}", str(mnt)], check=True)
+        capsys.readouterr()
+        assert train_here(r, "schedule.max_steps=2") == EXIT_STORAGE
+        err = _errors(capsys.readouterr().err)
+        assert len(err) == 1 and "checkpoint at step 2 into" in err[0] and "the save failed: no space left" in err[0]
+        assert f"the last good checkpoint is {root / 'step_000000001'} (intact)" in err[0], err
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]
+        subprocess.run(["mount", "-o", "remount,nr_inodes=100000", str(mnt)], check=True)
+        ro = tmp_path / "ro"
+        shutil.copytree(root, ro)
+        subprocess.run(["mount", "--bind", str(ro), str(root)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(root)], check=True)
+        try:
+            assert train_here(r, "schedule.max_steps=2") == EXIT_STORAGE
+            err = _errors(capsys.readouterr().err)
+            assert len(err) == 1 and "the save failed: read-only file system" in err[0], err
+        finally:
+            subprocess.run(["umount", str(root)], check=False)
+        assert train_here(r, "schedule.max_steps=2") == 0
+        assert f"resumed from {root / 'step_000000001'} at step 1" in capsys.readouterr().out
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 

@@ -211,7 +211,7 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
     try:
         strategy.save(tmp)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    except Exception as e:  # noqa: BLE001 -- a storage failure on any rank is every rank's; others re-raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; any but a storage failure re-raises
         error = storage_phrase(e)
         if error is None:
             raise

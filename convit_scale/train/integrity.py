@@ -164,8 +164,9 @@ def storage_phrase(e: BaseException) -> str | None:
             return f"{STORAGE_ERRNOS[x.errno]}{where}"
         todo += [x.__cause__, x.__context__, getattr(x, "exc", None)]
         failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
-            todo += list(failures.values())
+        if isinstance(failures, dict):  # DCP: rank -> (exception, traceback)
+            todo += [v for f in failures.values() for v in (f if isinstance(f, tuple) else (f,))
+                     if isinstance(v, BaseException)]
     return None
 
 
