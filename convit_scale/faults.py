@@ -27,6 +27,17 @@ import time
 from pathlib import Path
 
 from .files import write_atomic
+from .runfolder import (
+    EXIT_STORAGE,
+    FAULTS,
+    HANGS,
+    HEARTBEAT,
+    METRICS,
+    STARTS,
+    checkpoint_step,
+    checkpoints,
+    complete_checkpoints,
+)
 
 DATA, COMPUTE, REDUCE, LOG = "data", "forward/backward", "reduction", "log step"
 STEP_PHASES = (DATA, COMPUTE, REDUCE)
@@ -39,9 +50,9 @@ def progress_key(step: int, phase: str) -> tuple[int, int]:
     if phase in STEP_PHASES:
         return step + 1, STEP_PHASES.index(phase)
     return step, len(STEP_PHASES)
-FAULTS = "faults.jsonl"
-STARTS = "faults_starts.jsonl"
 SIGNALS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
+KINDS = ("crash", "oom", "hang", "node_lost", "storage")
+"""The faults the launcher records (``faults.jsonl`` also holds the ranks' records of damaged checkpoints)."""
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER")
 """Slurm node states (any part of the state) that take a node out of the allocation's next step."""
 
@@ -70,9 +81,8 @@ def _append(path: Path, rec: dict) -> None:
 
 def newest_checkpoint_step(out: Path) -> int:
     """The step of the run's newest complete checkpoint (one with meta.json), -1 for none."""
-    steps = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit()
-             and (p / "meta.json").is_file()]
-    return max(steps, default=-1)
+    found = complete_checkpoints(checkpoints(out))
+    return checkpoint_step(found[-1]) if found else -1
 
 
 def _json_files(folder: Path, since: float) -> list[dict]:
@@ -89,7 +99,7 @@ def _json_files(folder: Path, since: float) -> list[dict]:
 
 def last_logged_step(out: Path) -> int | None:
     """The newest step in the run's metrics.jsonl (its last 64 KiB): what rank 0 logged last."""
-    path = out / "metrics.jsonl"
+    path = out / METRICS
     if not path.is_file():
         return None
     with open(path, "rb") as f:
@@ -163,6 +173,9 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
                 "waiting": [w["rank"] for w in first.get("waiting", [])], "summary": first.get("summary"),
                 "stopped_workers": stopped, "locked_workers": locked, "stacks": first.get("stacks"),
                 "exit_status": rc}
+    storage = storage_fault(rc, beats, task, log)
+    if storage is not None:
+        return storage
     oom = [b for b in failed if re.search(r"OutOfMemoryError|MemoryError", b["state"])]
     if oom or re.search(r"oom[_-]kill|Out Of Memory", log):
         b = oom[0] if oom else by_rank.get((task or {}).get("rank"), {})
@@ -176,9 +189,23 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
             "how": task.get("how") or (b.get("state") if str(b.get("state", "")).startswith("failed") else None)}
 
 
+def storage_fault(rc: int, beats: list[dict], task: dict | None, log: str) -> dict | None:
+    """A save the file system refused or that would not fit (a rank's ``EXIT_STORAGE``, its heartbeat's last state
+    a StorageError, or its ``error:`` line): the fault, with that line."""
+    failed = [b for b in beats if str(b.get("state", "")).startswith("failed: StorageError")]
+    line = re.search(r"^error: (checkpoint at step .*)$", log, re.M)
+    if not (failed or rc == EXIT_STORAGE or (task or {}).get("exit_status") == EXIT_STORAGE):
+        return None
+    b = failed[0] if failed else {}
+    how = line.group(1) if line else (b.get("state", "")[len("failed: StorageError: "):] or None)
+    return {"kind": "storage", "rank": b.get("rank", (task or {}).get("rank")), "node": b.get("node"),
+            "step": b.get("step"), "phase": b.get("phase"), "exit_status": rc, "how": how}
+
+
 def describe(rec: dict) -> str:
     """The job log's one line for a fault."""
-    kind = {"crash": "crash", "oom": "out of memory", "hang": "hang", "node_lost": "node lost"}[rec["kind"]]
+    kind = {"crash": "crash", "oom": "out of memory", "hang": "hang", "node_lost": "node lost",
+            "storage": "storage failure"}[rec["kind"]]
     if rec["kind"] == "crash":
         kind += f" (signal {rec['signal']})" if rec.get("signal") else f" (exit status {rec.get('exit_status')})"
     at = where(rec["step"], rec["phase"]) if rec.get("step") is not None and rec.get("phase") else "an unknown step"
@@ -217,7 +244,7 @@ def start(out: Path, job: str, restart: int, nodes: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     starts = _lines(out / STARTS)
     if starts and "outcome" not in starts[-1]:
-        beats = _json_files(out / "heartbeat", starts[-1]["time"])
+        beats = _json_files(out / HEARTBEAT, starts[-1]["time"])
         last = min(beats, key=lambda b: b["alive"]) if beats else {}
         rec = {"kind": "node_lost", "rank": last.get("rank"), "node": last.get("node"), "step": last.get("step"),
                "phase": last.get("phase"), "how": "the job was ended without its launcher (Slurm requeued it after "
@@ -231,7 +258,7 @@ def start(out: Path, job: str, restart: int, nodes: list[str]) -> dict:
     rec = {"time": time.time(), "job": job, "restart": restart, "attempt": attempt,
            "checkpoint_step": newest_checkpoint_step(out), "nodes": nodes}
     _append(out / STARTS, rec)
-    for f in (out / "heartbeat").glob("rank_*.json"):
+    for f in (out / HEARTBEAT).glob("rank_*.json"):
         f.unlink(missing_ok=True)
     return rec
 
@@ -239,17 +266,22 @@ def start(out: Path, job: str, restart: int, nodes: list[str]) -> dict:
 def archive(out: Path, rec: dict, start_no: int) -> None:
     """Move the start's hang reports and stacks into hangs/start_<n>/ (a later start's diagnosis must not read
     them; the operator still can)."""
-    folder = out / "hangs" / f"start_{start_no}"
-    for f in (out / "hangs").glob("rank_*"):
+    folder = out / HANGS / f"start_{start_no}"
+    for f in (out / HANGS).glob("rank_*"):
         folder.mkdir(parents=True, exist_ok=True)
         f.replace(folder / f.name)
     if rec.get("stacks"):
         rec["stacks"] = str(folder / Path(rec["stacks"]).name)
 
 
-def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts: int) -> tuple[str, str]:
-    """(action, why): restart inside the allocation, requeue onto the nodes left, or stop."""
+def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts: int,
+           previous: list[dict] | None = None) -> tuple[str, str]:
+    """(action, why): restart inside the allocation, requeue onto the nodes left, or stop. A storage failure is
+    restarted into at most once per job (``previous``: the job's earlier fault records)."""
     now = rec["checkpoint_step"]
+    if rec["kind"] == "storage" and any(f.get("kind") == "storage" for f in previous or []):
+        return "stop", ("the same storage failure as an earlier start of this job: not restarting into it again "
+                        "(free space, raise the quota or fix the folder's permissions, then resubmit to resume)")
     if now <= begun["checkpoint_step"]:
         at = f"step {begun['checkpoint_step']}" if begun["checkpoint_step"] >= 0 else "no checkpoint"
         return "stop", (f"no checkpoint newer than at this start ({at}): a restart would repeat the same steps and "
@@ -267,8 +299,8 @@ def end(out: Path, rc: int, log: str, nodes: list[str], max_restarts: int) -> st
     begun = starts[-1] if starts else {"time": 0.0, "checkpoint_step": -1, "job": "", "restart": 0, "attempt": 0}
     states = node_states(nodes)
     lost = [n for n, s in states.items() if any(u in s for u in UNHEALTHY)]
-    beats = _json_files(out / "heartbeat", begun["time"])
-    hangs = _json_files(out / "hangs", begun["time"])
+    beats = _json_files(out / HEARTBEAT, begun["time"])
+    hangs = _json_files(out / HANGS, begun["time"])
     rec = classify(rc, beats, hangs, first_failed_task(log), log, lost)
     now = time.time()
     culprit = next((b for b in beats if b["rank"] == rec.get("rank")), None)
@@ -282,11 +314,11 @@ def end(out: Path, rc: int, log: str, nodes: list[str], max_restarts: int) -> st
                restart=begun["restart"], attempt=begun["attempt"],
                checkpoint_step=newest_checkpoint_step(out), checkpoint_step_at_start=begun["checkpoint_step"])
     restarts = sum(1 for s in starts if s.get("job") == begun["job"] and s.get("restart") == begun["restart"]) - 1
-    action, why = decide(rec, begun, lost, restarts, max_restarts)
+    previous = [f for f in _lines(out / FAULTS) if f.get("job") == begun["job"] and f.get("kind") in KINDS]
+    action, why = decide(rec, begun, lost, restarts, max_restarts, previous)
     rec.update(action=action, reason=why)
     _append(out / FAULTS, rec)
     _close_start(out, f"fault: {rec['kind']}")
-    previous = [f for f in _lines(out / FAULTS)[:-1] if f.get("job") == begun["job"]]
     same = previous and (previous[-1].get("kind"), previous[-1].get("step")) == (rec["kind"], rec["step"])
     line = describe(rec)
     if action == "stop":
@@ -302,9 +334,10 @@ def recovered(out: Path, resumed_from: int, step: int) -> dict | None:
     and the steps redone; None when the newest fault is already complete (or there is none)."""
     path = out / FAULTS
     recs = _lines(path)
-    if not recs or "back_s" in recs[-1] or recs[-1].get("action") == "stop":
+    ours = [r for r in recs if r.get("kind") in KINDS]  # not the ranks' own records (a damaged checkpoint set aside)
+    if not ours or "back_s" in ours[-1] or ours[-1].get("action") == "stop":
         return None
-    rec = recs[-1]
+    rec = ours[-1]
     done = rec.get("last_step", rec.get("step"))
     rec.update(back_s=round(time.time() - rec["time"], 1), first_new_step=step, resumed_from=resumed_from,
                steps_redone=None if done is None else max(0, done - resumed_from))

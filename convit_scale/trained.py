@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,32 +21,44 @@ from .config import ModelConfig, model_options
 from .errors import BadInput
 from .files import atomic_path
 from .models import MODELS, create_model, load_pretrained, read_state_dict
+from .runfolder import BEST, LATEST, PREFIX, checkpoint_problems, complete_checkpoints
 
-PREFIX = "step_"
-"""A checkpoint's folder: ``step_<step, 9 digits>``."""
-LATEST = "latest"
-"""A text file in the checkpoints folder naming its newest complete checkpoint (for people and tools: resume finds
-the newest by listing the folder)."""
-BEST = "best"
-"""The checkpoints folder's copy of the best evaluation so far: ``model.safetensors`` (the whole model, fp32, as
-``convit-scale export`` writes it) and ``meta.json``; outside the steps that resume and pruning see."""
+__all__ = ["BEST", "LATEST", "PREFIX", "complete_checkpoints", "latest_checkpoint", "run_checkpoint", "consolidate",
+           "export", "load_trained_model", "check_intact", "DamagedCheckpoint", "weights_metadata", "eval_view",
+           "model_section", "newest_intact", "CHECKPOINTS", "EVAL_VIEW"]
+
 EVAL_VIEW = ("eval_crop_ratio", "interpolation", "num_classes")
 """The recipe's data fields that decide what the evaluation sees: its pixels (resize to size / crop ratio, centre
 crop) and its classes (the first ``num_classes`` labels)."""
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete ``step_<N>`` checkpoints of a checkpoints folder, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-             and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
 def latest_checkpoint(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
+
+
+class DamagedCheckpoint(BadInput, ValueError):
+    """A checkpoint whose files do not match the listing in its meta.json."""
+
+
+def check_intact(path: Path) -> None:
+    """Refuse, in one line naming what differs, a checkpoint folder whose files do not match their listing."""
+    problems = checkpoint_problems(path)
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {'; '.join(problems[:2])}{more}; allowed: an intact "
+                                f"checkpoint (RUN or RUN:latest picks the newest intact one)")
+
+
+def newest_intact(root: Path) -> Path | None:
+    """The newest checkpoint of ``root`` whose files match their listing, saying on stderr which newer ones were
+    passed over (read only: resume sets them aside)."""
+    for path in reversed(complete_checkpoints(root)):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return path
+        print(f"warning: checkpoint {path} is damaged ({problems[0]}): passed over for an older one", file=sys.stderr)
+    return None
 
 
 def run_checkpoint(spec: str | Path) -> Path:
@@ -67,9 +80,12 @@ def run_checkpoint(spec: str | Path) -> Path:
             raise FileNotFoundError(f"{text}: the run has no best checkpoint yet ({root / BEST}: written at the first "
                                     f"evaluation); allowed: {run}:latest")
         return root / BEST
-    newest = latest_checkpoint(root)
-    if newest is None:
+    if latest_checkpoint(root) is None:
         raise FileNotFoundError(f"{text}: no complete checkpoint in {root} (none has meta.json yet)")
+    newest = newest_intact(root)
+    if newest is None:
+        raise DamagedCheckpoint(f"{text}: no intact checkpoint in {root} (each differs from the listing in its "
+                                f"meta.json); allowed: a run folder with an intact checkpoint")
     return newest
 
 
@@ -86,6 +102,7 @@ def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "meta.json").is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
+    check_intact(checkpoint_dir)
     if (checkpoint_dir / "dcp").is_dir():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "full.pt"

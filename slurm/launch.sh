@@ -255,8 +255,10 @@ while :; do
     fi
     # Finished (0), refused (2: bad input, data) or stopped by the non-finite policy (3): no restart repeats it.
     case $rc in 0 | 2 | 3 | 75) echo "== training exited with status $rc"; exit $rc ;; esac
-    # An unplanned failure (a crash, an OOM, a hang ended by the watchdog, a lost node): one line and a record in
-    # $OUT/faults.jsonl, then a restart from the newest checkpoint if the run made progress since this start.
+    # An unplanned failure (a crash, an OOM, a hang ended by the watchdog, a lost node, a save the file system
+    # refused: 77): one line and a record in $OUT/faults.jsonl, then a restart from the newest checkpoint if the run
+    # made progress since this start; never a second restart into a storage failure. The statuses and the run
+    # folder's files are convit_scale/runfolder.py's.
     action=$(faults end --out "$OUT" --rc "$rc" --log "$STEP_LOG" --nodes "$JOB_NODES" \
         --max-restarts "$MAX_RESTARTS") || action=stop
     case $action in

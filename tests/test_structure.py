@@ -4,8 +4,9 @@ collective in the communication module, short functions.
 The layers, from the ground up (a module imports modules of lower layers and of its own unit only):
 
 1. files: atomic writes and publication (every layer writes files); errors (bad input's exception, which every
-   layer raises); jpeg_roi (the crop-region JPEG decoder's C
-   library, which jpeg calls from compiled code and the WebDataset loader from Python);
+   layer raises); jpeg_roi (the crop-region JPEG decoder's C library, which jpeg calls from compiled code and the
+   WebDataset loader from Python); runfolder (the run folder's protocol: layout, exit statuses, checkpoint listings,
+   the lease; shared by the ranks and the launcher);
 2. leaves that import nothing of the package but files: comm, faults (a run's unplanned failures, as its launcher
    sees them), slurm_scripts (the #SBATCH reader), hardware, console, metrics, augment_policy, imagetree, splitmix and
    splitmix_numba (the counter-based generator of the augmentation and of drop-path, in torch and in numba),
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 
 LAYERS = [
-    ["convit_scale.files", "convit_scale.jpeg_roi", "convit_scale.errors"],
+    ["convit_scale.files", "convit_scale.jpeg_roi", "convit_scale.errors", "convit_scale.runfolder"],
     ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
      "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",

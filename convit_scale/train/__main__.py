@@ -15,6 +15,7 @@ import sys
 
 from ..config import ConfigError, find_recipe, load_config
 from ..errors import BadInput
+from ..runfolder import FolderHeld
 from .distributed import check_launcher_env
 from .engine import EXIT_BAD_INPUT, exit_status
 from .preflight import preflight
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         check_launcher_env(cfg.parallel.strategy, cfg.parallel.precision)
         if not args.config and _launch_rank() == 0:  # the other ranks wait at the rendezvous and stop with it
             preflight(cfg)
-    except (BadInput, FileNotFoundError) as e:  # anything else is a bug: its traceback, a crash the launcher restarts
+    except (BadInput, FolderHeld, FileNotFoundError) as e:  # anything else is a bug: a traceback, a crash restarted
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return exit_status(cfg)

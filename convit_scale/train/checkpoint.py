@@ -24,7 +24,18 @@ from safetensors.torch import save_file
 from .. import comm
 from ..errors import BadInput
 from ..files import publish_dir, readable_mode, recover_swap, write_atomic
-from ..trained import BEST, LATEST, PREFIX, complete_checkpoints, latest_checkpoint, weights_metadata
+from ..runfolder import BEST, LATEST, META, PREFIX, complete_checkpoints
+from ..trained import latest_checkpoint, weights_metadata
+from .integrity import (
+    CheckpointDamaged,
+    check_room,
+    gather_listing,
+    listing,
+    newest_intact,
+    raise_storage,
+    storage_phrase,
+    verify_checkpoint,
+)
 
 
 class CheckpointIncompatible(BadInput, ValueError):
@@ -41,24 +52,32 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def choose_checkpoint(root: Path, resume: str) -> tuple[Path | None, str]:
+def choose_checkpoint(root: Path, resume: str, log=print) -> tuple[Path | None, str]:
     """The checkpoint to resume from (``resume_source``) and why, decided on rank 0 and broadcast so that every rank
     loads the same one (and every rank raises the same refusal). Rank 0 also removes ``.tmp`` folders that crashed
-    saves left behind."""
+    saves left behind. The run's own checkpoints are verified against their listing by every rank together
+    (``integrity.newest_intact``): a damaged newest one is set aside for the newest intact one; a checkpoint named
+    by ``checkpoint.resume`` must be intact."""
+    if comm.rank() == 0 and root.is_dir():
+        _recover_interrupted_swaps(root)
+        for stale in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old")]:
+            shutil.rmtree(stale, ignore_errors=True)
+    own = newest_intact(root, log)
     decision = None
     if comm.rank() == 0:
-        if root.is_dir():
-            _recover_interrupted_swaps(root)
-            for stale in [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old")]:
-                shutil.rmtree(stale, ignore_errors=True)
         try:
-            path, why = resume_source(root, resume)
+            path, why = resume_source(root, resume, own)
             decision = (None if path is None else str(path), why, None)
         except CheckpointIncompatible as e:
             decision = (None, "", str(e))
     path, why, error = comm.broadcast_object(decision)
     if error is not None:
         raise CheckpointIncompatible(error)
+    if path is not None and Path(path) != own and (Path(path) / META).is_file():  # a checkpoint named by resume
+        problems = verify_checkpoint(Path(path))
+        if problems:
+            raise CheckpointDamaged(f"checkpoint.resume = {path} is damaged: {'; '.join(problems[:2])}; allowed: an "
+                                    f"intact checkpoint")
     return (None if path is None else Path(path)), why
 
 
@@ -133,7 +152,7 @@ def restarted() -> bool:
     return any(int(os.environ.get(k, "0") or 0) > 0 for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
 
 
-def resume_source(root: Path, resume: str) -> tuple[Path | None, str]:
+def resume_source(root: Path, resume: str, own: Path | None = None) -> tuple[Path | None, str]:
     """The checkpoint a start resumes from, and why (for the log). A run continues from its own newest checkpoint
     once it has one, whatever ``checkpoint.resume`` says: an explicit source (a path, or none) is for the first
     start only, so that every requeue of a job continues where it stopped.
@@ -142,8 +161,10 @@ def resume_source(root: Path, resume: str) -> tuple[Path | None, str]:
     - PATH: that checkpoint at the first start, the run's own newest afterwards; an older checkpoint of the run's
       own folder is refused (a run only goes forward: move its newer checkpoints away to go back);
     - none: a fresh start into an empty folder; into one that holds checkpoints it is refused (nothing is pruned
-      or overwritten), except on a restart of the job, which continues them."""
-    own = latest_checkpoint(root)
+      or overwritten), except on a restart of the job, which continues them.
+
+    ``own``: the run's newest intact checkpoint (``integrity.newest_intact``); by default its newest complete one."""
+    own = latest_checkpoint(root) if own is None else own
     if resume == "auto":
         return own, "its newest checkpoint"
     if resume == "none":
@@ -171,29 +192,52 @@ def _step_of(path: Path) -> int:
 
 
 def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
-    """Every rank calls this; rank 0 publishes and prunes."""
+    """Every rank calls this; rank 0 publishes and prunes. A save that would not fit, or that the file system
+    refuses (no space, a quota, a read-only or forbidden folder), raises :class:`StorageError` on every rank, with
+    nothing published: the earlier checkpoints stay as they were."""
     rank = comm.rank()
     final = root / f"{PREFIX}{meta['step']:09d}"
     tmp = root / (final.name + ".tmp")
+    need = check_room(root, strategy, meta["step"])
+    error = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a crash during an earlier save
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    comm.barrier()
-    strategy.save(tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    comm.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a crash during an earlier save
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = storage_phrase(e)
+    raise_storage(comm.broadcast_object(error), root, tmp, need, meta["step"])
+    try:
+        strategy.save(tmp)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; any but a storage failure re-raises
+        error = storage_phrase(e)
+        if error is None:
+            raise
+    raise_storage(next((e for e in comm.all_gather_object(error) if e), None), root, tmp, need, meta["step"])
+    files = gather_listing(tmp)
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        publish_dir(tmp, final)
-        write_atomic(root / LATEST, final.name + "\n")
-        for stale in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
-    comm.barrier()
+        try:
+            publish_checkpoint(root, tmp, final, meta, files, keep_last)
+        except OSError as e:
+            error = storage_phrase(e)
+            if error is None:
+                raise
+    raise_storage(comm.broadcast_object(error), root, tmp, need, meta["step"])
     return final
 
 
+def publish_checkpoint(root: Path, tmp: Path, final: Path, meta: dict, files: dict | None, keep_last: int) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: meta.json (with the listing of the files, sizes and checksums:
+    ``listing`` computes it where no listing was gathered), the atomic publication, ``latest``, pruning."""
+    files = listing(tmp) if files is None else files
+    (tmp / META).write_text(json.dumps({**meta, "files": files}, indent=1))
+    publish_dir(tmp, final)
+    write_atomic(root / LATEST, final.name + "\n")
+    for stale in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def save_best(root: Path, state: dict | None, meta: dict) -> Path:
@@ -207,7 +251,7 @@ def save_best(root: Path, state: dict | None, meta: dict) -> Path:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata=weights_metadata(meta))
         readable_mode(tmp / "model.safetensors")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        (tmp / META).write_text(json.dumps({**meta, "files": listing(tmp)}, indent=1))
         publish_dir(tmp, final)
     comm.barrier()
     return final

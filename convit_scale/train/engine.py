@@ -18,17 +18,14 @@ from .. import comm
 from ..config import Config
 from ..data import DataError
 from ..errors import BadInput
+from ..runfolder import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_STORAGE, FolderHeld, release_lease
 from .distributed import init_distributed
+from .integrity import StorageError
 from .loop import fit
 from .setup import log, setup
 from .signals import EXIT_REQUEUE, StopSignal
 from .step import NonFiniteLoss
 from .watchdog import Watchdog, collective_failure, long_collective_timeout_s
-
-EXIT_BAD_INPUT = 2
-"""Refused at start-up (data, checkpoint, world size) or data that failed during training: one ``error:`` line."""
-EXIT_NONFINITE = 3
-"""Stopped by the non-finite policy, without saving."""
 
 
 class SetupRefused(BadInput):
@@ -65,7 +62,7 @@ def train(cfg: Config) -> str:
             log(ctx, watch.describe())
         try:
             run, state = setup(cfg, ctx, stop, watch)
-        except (BadInput, FileNotFoundError) as e:  # any other exception is a bug: a crash the launcher restarts
+        except (BadInput, FolderHeld, FileNotFoundError) as e:  # anything else is a bug: a crash the launcher restarts
             raise SetupRefused(str(e)) from e
         try:
             outcome = fit(run, state)
@@ -83,22 +80,28 @@ def train(cfg: Config) -> str:
     finally:
         watch.stop(outcome)
         stop.restore()
+        release_lease(Path(cfg.run.output_dir))  # only the process holding it (rank 0) removes it
         if ctx.owns_group:
             comm.destroy()  # alone: also the one-process group's launch variables (init_distributed)
 
 
 def exit_status(cfg: Config) -> int:
     """Train this rank and map the outcome to the process's exit status: 0 finished, ``EXIT_REQUEUE`` stopped and
-    saved, ``EXIT_NONFINITE``, or ``EXIT_BAD_INPUT`` with one ``error:`` line."""
+    saved, ``EXIT_NONFINITE``, ``EXIT_STORAGE`` (a save that did not fit or was refused by the file system) or
+    ``EXIT_BAD_INPUT``, each with one ``error:`` line."""
     try:
         status = train(cfg)
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STORAGE
     except (SetupRefused, DataError) as e:  # DataError: data that failed during training (max_bad_samples, a shard)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return EXIT_REQUEUE if status == "stopped" else 0
 
 
-__all__ = ["train", "exit_status", "setup", "fit", "EXIT_REQUEUE", "NonFiniteLoss", "SetupRefused"]
+__all__ = ["train", "exit_status", "setup", "fit", "EXIT_REQUEUE", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STORAGE",
+           "NonFiniteLoss", "SetupRefused", "StorageError"]

@@ -24,6 +24,7 @@ from ..manifest import MANIFEST
 from ..metrics import check_log_backends
 from ..models import create_model, read_state_dict
 from ..models.weights import check_state_dict, convert_state_dict
+from ..runfolder import check_lease, checkpoint_problems, checkpoints, complete_checkpoints
 from .checkpoint import check_compatible, read_meta, resume_source
 from .distill import build_teacher
 
@@ -38,9 +39,10 @@ def preflight(cfg: Config) -> None:
     exists in the recipe's format, holds at least one global batch and no more classes than the model has, and
     every file the manifest lists is there at its recorded size; a remote location answers; ``model.pretrained``
     matches the model key for key (on the meta device); a checkpoint to resume was written by the same model,
-    strategy and global batch; the teacher loads."""
+    strategy and global batch; the teacher loads; no other training holds the folder's lease (runfolder.py)."""
     d = cfg.data
     _check_output_dir(cfg.run.output_dir)
+    check_lease(Path(cfg.run.output_dir), cfg.fault.hang_timeout_s)  # FolderHeld: another training writes there
     for key in ("train_path", "val_path"):
         loc = getattr(d, key)
         if key == "train_path" and not loc:
@@ -167,7 +169,8 @@ def _check_resume(cfg) -> None:
     """The checkpoint that ``checkpoint.resume`` picks (``checkpoint.resume_source``: a run continues from its own
     newest checkpoint once it has one) was written by this run's recipe: the same rules the engine applies, here
     before any process starts or anything is written."""
-    root = Path(cfg.run.output_dir) / "checkpoints"
-    path, _ = resume_source(root, cfg.checkpoint.resume)
-    if path is not None:
+    root = checkpoints(cfg.run.output_dir)
+    sound = [p for p in complete_checkpoints(root) if not checkpoint_problems(p, checksums=False)]
+    path, _ = resume_source(root, cfg.checkpoint.resume, sound[-1] if sound else None)
+    if path is not None and not checkpoint_problems(path, checksums=False):  # the ranks refuse a damaged one
         check_compatible(path, read_meta(path), cfg.to_dict())

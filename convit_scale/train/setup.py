@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .. import jpeg_roi
+from .. import comm, jpeg_roi
 from ..config import Config, model_options, shares_note
 from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device, handover_of
@@ -20,6 +20,7 @@ from ..metrics import MetricsWriter, wandb_options
 from ..models import MODELS, create_model, load_pretrained
 from ..models.weights import check_state_dict, convert_state_dict, read_state_dict
 from ..parallel import Strategy, build_strategy, preload
+from ..runfolder import STOPPED_FOR_REQUEUE, FolderHeld, check_lease, checkpoints, describe_holder, write_lease
 from .checkpoint import check_compatible, choose_checkpoint, load_checkpoint, read_meta
 from .debug import Faults, checksum
 from .distill import check_teacher
@@ -69,7 +70,7 @@ class Run:
 
     @property
     def checkpoints(self) -> Path:
-        return self.out / "checkpoints"
+        return checkpoints(self.out)
 
 
 def build_model(cfg: Config, meta: bool = False):
@@ -122,10 +123,32 @@ def _strategy(cfg: Config, ctx: DistContext, micro: int, accum: int, lr: float) 
     return strategy, base_mem
 
 
-def _resume_point(cfg: Config, out: Path, world_size: int) -> tuple[Path | None, str]:
+def take_lease(cfg: Config, ctx: DistContext, out: Path) -> None:
+    """Rank 0 takes the run folder's lease (runfolder.py) before any rank trains: a folder another training holds
+    is refused on every rank in one line naming the holder; a stale lease, or one of an earlier start of the same
+    Slurm job, is taken over and the takeover logged."""
+    decision = None
+    if ctx.is_main:
+        try:
+            verdict, lease, why = check_lease(out, cfg.fault.hang_timeout_s)
+            out.mkdir(parents=True, exist_ok=True)
+            write_lease(out)
+            decision = (None, f"took over the lease of run.output_dir {out} from {describe_holder(lease)}: {why}"
+                        if verdict == "take over" else None)
+        except FolderHeld as e:
+            decision = (str(e), None)
+    refusal, note = comm.broadcast_object(decision)
+    if refusal:
+        raise FolderHeld(refusal)
+    if note:
+        log(ctx, note)
+
+
+def _resume_point(cfg: Config, ctx: DistContext, out: Path) -> tuple[Path | None, str]:
     """The checkpoint to resume from and why (rank 0 chooses, every rank gets the same), checked against the recipe
     before anything is written into the run folder."""
-    path, why = choose_checkpoint(out / "checkpoints", cfg.checkpoint.resume)
+    world_size = ctx.world_size
+    path, why = choose_checkpoint(checkpoints(out), cfg.checkpoint.resume, lambda msg: log(ctx, msg))
     if path is not None:
         check_compatible(path, read_meta(path), cfg.to_dict(), world_size)
     return path, why
@@ -155,10 +178,11 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
     out = Path(cfg.run.output_dir)
     micro, accum = check_world(cfg, ctx.world_size)
     lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
-    ckpt, why = _resume_point(cfg, out, ctx.world_size)
+    take_lease(cfg, ctx, out)
+    ckpt, why = _resume_point(cfg, ctx, out)
     if ctx.is_main:
         write_resolved(cfg)
-        (out / "STOPPED_FOR_REQUEUE").unlink(missing_ok=True)
+        (out / STOPPED_FOR_REQUEUE).unlink(missing_ok=True)
     note = shares_note(cfg.data.groups, ctx.world_size)
     split = (f"micro {micro} x accumulation {accum} x world {ctx.world_size}" if note is None else
              f"accumulation {accum} of micro-batches up to {micro} on {ctx.world_size} unequal ranks")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import signal
 import threading
 
-EXIT_REQUEUE = 75
-"""Exit status of a run stopped by SIGUSR1/SIGTERM after saving: the Slurm scripts requeue on it."""
-EXIT_HANG = 76
-"""Exit status of a rank that its watchdog ended (no progress within the phase's timeout; watchdog.py)."""
+from ..runfolder import EXIT_HANG, EXIT_REQUEUE  # the run folder's protocol: the launcher reads them too
+
+__all__ = ["EXIT_HANG", "EXIT_REQUEUE", "StopSignal"]
 
 
 class StopSignal:

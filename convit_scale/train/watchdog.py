@@ -8,7 +8,8 @@ thread), under NCCL the flight recorder's record of the collectives this rank en
 that stopped first, then ends the process with ``EXIT_HANG``: srun (``--kill-on-bad-exit``) or torchrun end the
 others, and the Slurm launcher restarts the run from its newest checkpoint.
 
-Each rank's thread also publishes its progress every ``fault.heartbeat_s`` in ``run_dir/heartbeat/rank_<r>.json``
+Rank 0's thread renews the run folder's lease (runfolder.py) with its heartbeat. Each rank's thread also publishes
+its progress every ``fault.heartbeat_s`` in ``run_dir/heartbeat/rank_<r>.json``
 (step, phase, since when, and ``alive``: when the thread last wrote), where the others read it without a collective.
 A rank whose file stopped being written (a stopped or dead process) stopped first; else the one that is not waiting
 in a collective (a loader that never delivers, a kernel that never ends); the others were only waiting for it. Rank 0
@@ -40,6 +41,7 @@ from torch._C import _distributed_c10d as c10d
 
 from ..faults import COMPUTE, DATA, LOG, REDUCE, progress_key, where
 from ..files import write_json_atomic
+from ..runfolder import renew_lease
 from .signals import EXIT_HANG
 
 __all__ = ["COMPUTE", "DATA", "LOG", "REDUCE", "Watchdog", "who_stopped"]
@@ -122,6 +124,7 @@ class Watchdog:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _request_seen: float = 0.0
+    _lease_renewed: float = 0.0
 
     def __post_init__(self):
         self.node, self.launch, self.pid, self.born = node_name(), launch_id(), os.getpid(), time.time()
@@ -144,9 +147,19 @@ class Watchdog:
             self.step = step
 
     def step_done(self, step: int) -> None:
-        """A step ended: from the first one on, the start-up timeout no longer applies."""
+        """A step ended: from the first one on, the start-up timeout no longer applies. Without the thread
+        (fault.enabled false), rank 0 renews the run folder's lease here, once per heartbeat period."""
         self.started = True
         self.mark(DATA, step)
+        if not self.enabled and self.rank == 0 and self.since - self._lease_renewed >= self.heartbeat_s:
+            self._lease_renewed = self.since
+            self._renew_lease()
+
+    def _renew_lease(self) -> None:
+        try:
+            renew_lease(self.out)
+        except OSError:
+            pass  # as a heartbeat: a full or vanished file system must not end a rank that is training
 
     def start(self) -> "Watchdog":
         if not self.enabled:
@@ -177,6 +190,8 @@ class Watchdog:
             write_json_atomic(self.out / "heartbeat" / f"rank_{self.rank}.json", self.beat(state), fsync=False)
         except OSError:
             pass  # a full or vanished file system must not end a rank that is training
+        if self.rank == 0 and state == "running":  # the run folder's lease, renewed with rank 0's heartbeat
+            self._renew_lease()
 
     @property
     def tick(self) -> float:
