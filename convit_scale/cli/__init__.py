@@ -84,7 +84,10 @@ class _Parser(argparse.ArgumentParser):
             return ""
         known = sorted(self._option_strings())
         for arg in message.partition(":")[2].split():
-            close = difflib.get_close_matches(arg.partition("=")[0], known, n=1) if arg.startswith("--") else []
+            name = arg.partition("=")[0]
+            if not name.startswith("--") or "." in name:  # a dotted override written as a flag has its own hint
+                continue
+            close = difflib.get_close_matches(name, known, n=1)
             if close:
                 return f"; did you mean {close[0]}?"
         return ""
