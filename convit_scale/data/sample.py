@@ -26,7 +26,7 @@ from ..splitmix_numba import FLIP_DRAW, uniform
 from .faults import next_good
 from .order import view_seeds
 
-__all__ = ["crop_box", "flipped", "next_good", "seeded_crop", "view_seeds"]
+__all__ = ["compile_draws", "crop_box", "flipped", "next_good", "seeded_crop", "view_seeds"]
 
 
 @numba.njit(nogil=True)
@@ -63,3 +63,11 @@ def crop_box(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4
     """``seeded_crop`` from Python: the (i, j, h, w) box of a ``height`` x ``width`` image for the view ``seed``."""
     return seeded_crop(np.uint32(height), np.uint32(width), np.array(scale, dtype=np.float64),
                        np.log(np.array(ratio, dtype=np.float64)), np.uint64(seed))
+
+
+def compile_draws() -> None:
+    """Compile ``seeded_crop`` and ``flipped`` now: when the train transform is built, before the run measures its
+    base memory and before DataLoader workers are forked (they inherit the compiled code rather than each compiling
+    it on its first view)."""
+    crop_box(2, 2, 0)
+    flipped(np.uint64(0), 0.5)

@@ -28,7 +28,7 @@ from .. import jpeg_roi
 from ..config import DataConfig
 from .batch import Encoded
 from .faults import DECODE_ERRORS, CropDecodeError, UndecodedJpeg, open_jpeg_or_decode, pil_rgb
-from .sample import crop_box, flipped
+from .sample import compile_draws, crop_box, flipped
 
 
 class CropDecodingResizedCrop(RandomResizedCropAndInterpolation):
@@ -167,6 +167,7 @@ def build_train_transform(d: DataConfig, img_size: int, on_device: bool = False,
     """The whole train transform, or (``on_device``) its crop and flip only, to a uint8 (3, S, S) tensor. Its crop
     takes a decoded image or an ``UndecodedJpeg`` (``CropDecodingResizedCrop``). ``handover`` (``LoaderSpec``): "box"
     stops at the crop box (``BoxCrop``), "jpeg" before decoding (``JpegView``)."""
+    compile_draws()
     if handover != "pixels":
         primary, _, _ = create_transform(input_size=img_size, is_training=True, scale=tuple(d.crop_scale),
                                          hflip=d.hflip, interpolation=d.interpolation, separate=True)
