@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import io
 import json
+import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -76,8 +77,14 @@ def worker_pool(workers: int):
     """A ``ProcessPoolExecutor`` of ``workers`` processes for the phases of a conversion. Left normally, it waits for
     them; left by an exception (a refused sample, Ctrl-C, a caller's time limit) its queued work is cancelled and its
     processes are killed, not waited for. ``ProcessPoolExecutor``'s own exit waits for every task already handed out:
-    for ever when one worker hangs (a stalled read, a lock a forked worker inherited held)."""
-    pool = ProcessPoolExecutor(workers)
+    for ever when one worker hangs (a stalled read, a lock a forked worker inherited held).
+
+    The workers come from a fork server, not from a fork of the caller: a caller with threads (torch's, numba's, a
+    progress bar's) forked mid-operation hands its children locks held for ever and half-updated interpreter state (a
+    crash in a child's first garbage collection was seen). The server imports this package once and forks from it."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["data_prep.checks", "data_prep.index", "data_prep.wds_writer"])
+    pool = ProcessPoolExecutor(workers, mp_context=ctx)
     try:
         yield pool
     except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing.connection
+import os
 import time
 from pathlib import Path
 
@@ -84,3 +85,10 @@ def test_a_pool_left_by_an_exception_kills_its_workers_instead_of_waiting_for_th
     assert len(ended) == 2 and all(f.done() for f in futures)  # each failed (BrokenProcessPool) or cancelled
     with worker_pool(2) as pool:  # left normally: every task's result
         assert list(pool.map(abs, [-1, -2, 3])) == [1, 2, 3]
+
+
+def test_the_pool_workers_are_not_forked_from_the_caller():
+    """A conversion's workers come from a fork server: a fork of a caller with threads inherits their locks held."""
+    with worker_pool(2) as pool:
+        parent = pool.submit(os.getppid).result()
+    assert parent != os.getpid()
