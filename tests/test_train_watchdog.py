@@ -2,6 +2,7 @@
 that stopped first (from the heartbeats, without a collective); the loop's phases and checkpoint.every_minutes."""
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -165,12 +166,17 @@ def test_timeouts_by_phase():
 def test_every_minutes_saves_after_the_same_step_on_every_rank_and_heartbeats_say_how_ranks_ended(fm_tree, tmp_path,
                                                                                                 capsys):
     """checkpoint.every_minutes: rank 0's clock travels in the step's reduction (here every step is due); each save
-    is timed in metrics.jsonl; the watchdog is announced, publishes heartbeats, and the last one says "finished"."""
+    is timed in metrics.jsonl; the watchdog is announced, publishes heartbeats, and the last one says "finished".
+    NCCL's flight recorder is off unless the recipe asks (recent torch turns it on by default), set before the group
+    forms."""
+    from convit_scale.train.distributed import FLIGHT_RECORDER_VARS
+
     out = tmp_path / "out"
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"val_path": ""},
                     schedule={"max_steps": 3}, checkpoint={"every_minutes": 1e-6, "keep_last": 5},
                     fault={"hang_timeout_s": 30, "heartbeat_s": 0.5, "collective_timeout_s": 60})
     assert train_here(r) == 0
+    assert all(os.environ.get(v) == "0" for v in FLIGHT_RECORDER_VARS)
     saves = records(out, "checkpoint")
     assert [(s["step"], s["reason"]) for s in saves] == [(1, "every_minutes"), (2, "every_minutes"), (3, "end")]
     assert all(s["save_s"] > 0 for s in saves)

@@ -113,6 +113,8 @@ class Watchdog:
     backend: str = "gloo"
     enabled: bool = True
     """False: the phases are recorded (``mark``) but no thread watches them and no heartbeat is written."""
+    nccl_trace_entries: int = 0
+    """NCCL's flight recorder's size (``fault.nccl_trace_entries``): 0, off, and nothing to write with a report."""
     phase: str = STARTUP
     step: int = 0
     since: float = field(default_factory=time.time)
@@ -132,7 +134,8 @@ class Watchdog:
     @classmethod
     def for_run(cls, fault, out: Path, rank: int, world_size: int, backend: str = "gloo") -> "Watchdog":
         t = Timeouts(fault.hang_timeout_s, fault.startup_timeout_s, fault.long_phase_timeout_s)
-        return cls(Path(out), rank, world_size, t, fault.heartbeat_s, backend=backend, enabled=fault.enabled)
+        return cls(Path(out), rank, world_size, t, fault.heartbeat_s, backend=backend, enabled=fault.enabled,
+                   nccl_trace_entries=fault.nccl_trace_entries)
 
     def describe(self) -> str:
         t = self.timeouts
@@ -259,10 +262,15 @@ class Watchdog:
         stacks = self.write_stacks(f"asked by rank {req.get('rank')} on {req.get('node')} ({req.get('reason')}); "
                                    f"this rank had been in {where(self.step, self.phase)} for "
                                    f"{time.time() - self.since:.0f} s", child_states())
-        if self.backend == "nccl":  # the collectives this rank entered: beside the asking rank's, who waited on whom
+        if self._traced:  # the collectives this rank entered: beside the asking rank's, who waited on whom
             dump_flight_recorder(self.out / "hangs" / f"rank_{self.rank}.nccl_trace.pkl")
         print(f"[convit-scale] rank {self.rank} on {self.node}: every thread's stack in {stacks} (asked by rank "
               f"{req.get('rank')}: {req.get('reason')})", file=sys.stderr, flush=True)
+
+    @property
+    def _traced(self) -> bool:
+        """NCCL's flight recorder holds this rank's collectives (the backend is NCCL and the recorder is on)."""
+        return self.backend == "nccl" and self.nccl_trace_entries > 0
 
     def write_stacks(self, headline: str, children: list[dict] | None = None) -> Path:
         """Every thread's Python stack (faulthandler: works from this thread, whatever the main thread is doing),
@@ -292,7 +300,7 @@ class Watchdog:
         stacks = self.write_stacks(f"{what} (limit {limit:g} s)", children)
         print(f"[convit-scale] rank {self.rank} on {self.node}: {what}; every thread's stack (also in {stacks}):\n"
               f"{stacks.read_text()}", file=sys.stderr, flush=True)
-        trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self.backend == "nccl" else None
+        trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self._traced else None
         self.publish("hung")
         time.sleep(min(2.0, self.heartbeat_s))  # the other ranks that fire now publish their state too
         if self.frozen_s:  # continued after a stop (the job's kill sends SIGCONT first): this rank is the one
@@ -336,8 +344,8 @@ def _exit_hang(report: dict) -> None:
 
 
 def dump_flight_recorder(path: Path) -> str | None:
-    """NCCL's flight recorder (the collectives this rank entered, with TORCH_NCCL_TRACE_BUFFER_SIZE set; the Slurm
-    launcher sets it) into ``path``, where this torch exposes it; None otherwise."""
+    """NCCL's flight recorder (the collectives this rank entered, with ``fault.nccl_trace_entries`` above 0: train/
+    distributed.py's ``set_flight_recorder``) into ``path``, where this torch exposes it; None otherwise."""
     dump = getattr(c10d, "_dump_nccl_trace", None)
     if dump is None or not (dist.is_available() and dist.is_initialized()):
         return None
