@@ -161,7 +161,7 @@ def _stop_when(run: Path, steps: int, done: threading.Event) -> threading.Thread
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_bf16_run_stops_on_the_signal_and_resumes(strategy, tree, tmp_path):
     """bf16 on the GPU under NCCL: stopped by SIGUSR1 after its third step (exit 75, a checkpoint), then resumed for
-    three more steps from it: every step logged once, every loss finite."""
+    three more steps from it: every step logged once, every loss finite; the heartbeat says the GPU finished them."""
     previous = signal.signal(signal.SIGUSR1, lambda *a: None)  # the run's handler restores this one: a late signal
     # after the run (the watcher's) is then harmless
     r = _recipe(tmp_path, tree, strategy, parallel={"strategy": strategy}, schedule={"max_steps": 400},
@@ -178,6 +178,9 @@ def test_a_bf16_run_stops_on_the_signal_and_resumes(strategy, tree, tmp_path):
     train = _records(tmp_path / strategy)
     assert [t["step"] for t in train] == list(range(1, stopped["step"] + 4))
     assert all(t["loss"] is not None and t["loss"] == t["loss"] for t in train)
+    # what the GPU finished (a CUDA event per mark, asked with query()): the last step's update, once saved
+    device = json.loads((tmp_path / strategy / "heartbeat" / "rank_0.json").read_text())["device"]
+    assert (device["step"], device["what"]) == (stopped["step"] + 3, "update"), device
 
 
 @pytest.mark.g1
