@@ -222,6 +222,10 @@ class DataConfig:
     """Where training JPEGs are decoded: device = the loader reads the bytes and draws the crop box from the JPEG's
     header; the training device decodes the batch (nvJPEG through torchvision on CUDA), crops, resizes and flips
     (formats ffcv and wds; the augmentation and the resize then run on the device too)."""
+    whole_jpeg_decode: bool = False
+    """Train even where the crop-region JPEG decoder (convit_scale/_jpeg_roi.c) is not built: each rank's loader then
+    decodes whole JPEGs before cropping (the same pixels, more CPU per image: BENCHMARKS.md, "Decoding only the
+    crop"); false: such a run refuses to start (ffcv and wds decoded on the CPU)."""
 
     @property
     def groups(self) -> int:
