@@ -39,12 +39,14 @@ def _installed() -> list[Path]:
             if f.parent.as_posix() == "convit_scale" and f.name.startswith("_jpeg_roi.") and f.suffix == ".so"]
 
 
-def _candidates() -> list[Path]:
+def _candidates():
     """Where the library may be, in order: beside this module (this Python's extension name first; a plain C library,
-    with no Python API, built for another Python loads as well), then the installed distribution's."""
+    with no Python API, built for another Python loads as well), then the installed distribution's (looked for only
+    when there is none beside the module)."""
     here = Path(__file__).parent
     names = [f"_jpeg_roi{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-    return [here / n for n in names] + sorted(here.glob("_jpeg_roi.*.so")) + _installed()
+    yield from [here / n for n in names] + sorted(here.glob("_jpeg_roi.*.so"))
+    yield from _installed()
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
