@@ -27,7 +27,6 @@ before its own watchdog would fire, and its stacks say where it was (``hangs/ran
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import json
 import os
@@ -122,6 +121,7 @@ class DeviceProgress:
         self.pending: deque = deque()
         self.done: dict | None = None
         self._lock = threading.Lock()
+        self._thread_device = threading.local()
 
     @classmethod
     def on(cls, device: torch.device) -> "DeviceProgress":
@@ -144,7 +144,10 @@ class DeviceProgress:
     def poll(self) -> dict | None:
         """The last mark whose event has completed (completed ones leave the queue); never waits for the device. The
         watchdog's thread names the rank's GPU first, so that CUDA does not make a context on GPU 0 for it."""
-        with self._lock, (torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext()):
+        with self._lock:
+            if self.device is not None and not getattr(self._thread_device, "set", False):
+                torch.cuda.set_device(self.device)  # once per thread asking
+                self._thread_device.set = True
             while self.pending and self.pending[0][1].query():
                 self.done = self.pending.popleft()[0]
         return self.done
