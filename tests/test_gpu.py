@@ -5,7 +5,8 @@ most 8 minutes on one H200 (docs/gpu.md counts their launches and steps), the fi
 - g1: every kind of collective a one-GPU run sends reaching NCCL; a bf16 step under ddp, fsdp2, zero2 and zero3, each
   stopped by SIGUSR1 (exit 75, checkpoint) and resumed; the universal resume of zero2/zero3 (a checkpoint declared as
   written on 2 ranks) with the optimizer state on the GPU; ZeRO-3 on the rank's GPU when LOCAL_RANK names another;
-  DDP and FSDP2 steps under CUDA's sync debug mode. All in this process: no interpreter start but pytest's.
+  DDP and FSDP2 steps under CUDA's sync debug mode; the heartbeat's GPU progress, asked without waiting. All in this
+  process: no interpreter start but pytest's.
 - g2: the command end to end for each strategy (`convit-scale train` stopped by the signal, resumed, through the
   universal checkpoint for ZeRO, `export`, `eval` on the GPU, `analyze` for fsdp2).
 - g3: bf16 and fp16 against fp32, fp16 loss scaling, an injected infinite gradient skipped exactly, NCCL's flight
@@ -255,6 +256,27 @@ def test_a_training_step_waits_for_the_gpu_once(strategy, tree, tmp_path, monkey
 
 
 # -- g2: the command, end to end ------------------------------------------------------------------------------------
+
+
+@pytest.mark.g1
+def test_the_heartbeats_gpu_progress_asks_without_waiting():
+    """What the heartbeat says the GPU finished (DeviceProgress): a CUDA event per mark, asked from another thread (the
+    watchdog's) with query(): behind a second of GPU work it answers at once with the last mark before it."""
+    from convit_scale.train.watchdog import DeviceProgress
+
+    progress = DeviceProgress.on(torch.device("cuda"))
+    progress.record(1, 1, "update")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's clock cycles
+    progress.record(2, 1, "update")
+    seen = []
+    t0 = time.time()
+    asker = threading.Thread(target=lambda: seen.append(progress.poll()))
+    asker.start()
+    asker.join()
+    assert time.time() - t0 < 0.5 and seen == [{"step": 1, "order": 1, "what": "update"}]
+    torch.cuda.synchronize()
+    assert progress.poll() == {"step": 2, "order": 1, "what": "update"} and not progress.pending
 
 
 @pytest.mark.g2
