@@ -222,6 +222,10 @@ class DataConfig:
     """Where training JPEGs are decoded: device = the loader reads the bytes and draws the crop box from the JPEG's
     header; the training device decodes the batch (nvJPEG through torchvision on CUDA), crops, resizes and flips
     (formats ffcv and wds; the augmentation and the resize then run on the device too)."""
+    whole_jpeg_decode: bool = False
+    """Train even where the crop-region JPEG decoder (convit_scale/_jpeg_roi.c) is not built: each rank's loader then
+    decodes whole JPEGs before cropping (the same pixels, more CPU per image: BENCHMARKS.md, "Decoding only the
+    crop"); false: such a run refuses to start (ffcv and wds decoded on the CPU)."""
 
     @property
     def groups(self) -> int:
@@ -540,8 +544,15 @@ class FaultConfig:
     others read to name the rank that stopped first."""
     enabled: bool = True
     """Run the watchdog (off: a hang waits for the collective timeout and names no rank)."""
+    nccl_trace_entries: int = 0
+    """NCCL's flight recorder (TORCH_FR_BUFFER_SIZE, set before the process group forms): each rank keeps its last
+    this many collectives, with the Python stack of each, and a hang report writes them (rank_<r>.nccl_trace.pkl);
+    0: off (recent torch turns it on by default). Turn it on (e.g. 2000) to find which collective a repeated hang
+    stops in; its cost per step is measured by `make gpu-test GROUP=3` (docs/gpu.md)."""
 
     def validate(self, fail) -> None:
+        if self.nccl_trace_entries < 0:
+            fail("fault.nccl_trace_entries", self.nccl_trace_entries, "must be >= 0 (0: NCCL's flight recorder off)")
         for key in ("hang_timeout_s", "startup_timeout_s", "long_phase_timeout_s", "heartbeat_s"):
             if not getattr(self, key) > 0:
                 fail(f"fault.{key}", getattr(self, key), "must be > 0 (seconds)")

@@ -9,7 +9,11 @@ whole decode (``jpeg.decode_rgb``) and PIL's, for baseline and progressive JPEGs
 measures what it saves.
 
 The library is built by ``pip install -e .`` (an optional extension in pyproject.toml: it needs gcc and libjpeg's
-headers). Without it the loaders decode whole images, with the same pixels, and say so once (``warn_if_missing``).
+headers). A checkout run in place (``python -m`` from a source tree mounted into the container, whose image installed
+the package) shadows the installed copy and has no library of its own: the installed distribution's library is
+loaded then (``_candidates``). Without any, the loaders decode whole images, with the same pixels, and say so once
+(``warn_if_missing``); a training run refuses to start that way unless ``data.whole_jpeg_decode`` asks for it
+(``refusal``, called by the checks before training).
 This module needs no numba: the WebDataset loader calls it from Python; ``jpeg.py`` calls it from compiled code.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import importlib.metadata
 import logging
 from pathlib import Path
 
@@ -25,19 +30,35 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
+def _installed() -> list[Path]:
+    """The library of the installed convit-scale distribution (pip install ., a container's image), wherever the
+    package itself was imported from: a checkout run in place shadows it. Every distribution of that name on the path
+    is asked: the checkout's own metadata (the egg-info an editable install leaves in it) comes first and lists none."""
+    files = [f for d in importlib.metadata.distributions(name="convit-scale") for f in d.files or []]
+    return [Path(f.locate()) for f in files
+            if f.parent.as_posix() == "convit_scale" and f.name.startswith("_jpeg_roi.") and f.suffix == ".so"]
+
+
+def _candidates():
+    """Where the library may be, in order: beside this module (this Python's extension name first; a plain C library,
+    with no Python API, built for another Python loads as well), then the installed distribution's (looked for only
+    when there is none beside the module)."""
+    here = Path(__file__).parent
+    names = [f"_jpeg_roi{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    yield from [here / n for n in names] + sorted(here.glob("_jpeg_roi.*.so"))
+    yield from _installed()
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The library and its path, or None and why not."""
-    here = Path(__file__).parent
-    # This Python's extension name first; a plain C library (no Python API) built for another Python loads as well.
-    names = [f"_jpeg_roi{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-    for path in [here / n for n in names] + sorted(here.glob("_jpeg_roi.*.so")):
+    for path in _candidates():
         if path.exists():
             try:
                 return ctypes.CDLL(str(path)), str(path)
             except OSError as e:
-                return None, f"{path.name} does not load ({e}); rebuild it with `make setup` or pip install -e ."
-    return None, ("convit_scale/_jpeg_roi.c is not built (pip install -e . builds it; it needs gcc and libjpeg's "
-                  "headers: apt-get install libjpeg-dev)")
+                return None, f"{path} does not load ({e}); rebuild it with `make setup` or pip install -e ."
+    return None, ("convit_scale/_jpeg_roi.c is not built here and no installed convit-scale has it (pip install -e . "
+                  "builds it; it needs gcc and libjpeg's headers: apt-get install libjpeg-dev)")
 
 
 _lib, LIBRARY = _load()
@@ -72,6 +93,15 @@ def warn_if_missing(where: str) -> bool:
         _warned = True
         log.warning("%s: decoding whole JPEGs, then cropping (same pixels, more CPU): %s", where, LIBRARY)
     return AVAILABLE
+
+
+def refusal(fmt: str, decode_on: str, whole_decode: bool) -> str | None:
+    """Why a training run must not start (the checks before training raise it), or None: the train crops of FFCV and
+    WebDataset decoded on the CPU need the library, unless ``data.whole_jpeg_decode`` accepts whole decodes."""
+    if AVAILABLE or whole_decode or fmt not in ("ffcv", "wds") or decode_on != "cpu":
+        return None
+    return (f"data.whole_jpeg_decode = false: the crop-region JPEG decoder is missing ({LIBRARY}); every rank would "
+            f"decode whole JPEGs (the same pixels, more CPU per image): build it, or set data.whole_jpeg_decode=true")
 
 
 def counts() -> dict:

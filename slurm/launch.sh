@@ -218,10 +218,10 @@ requeue_job() {
     exit 0
 }
 
-# NCCL's flight recorder keeps the last collectives of every rank; the watchdog writes it with its stacks, and NCCL
+# NCCL's flight recorder, where the recipe turns it on (fault.nccl_trace_entries; each rank sets its size before its
+# process group forms), keeps the last collectives of every rank; the watchdog writes it with its stacks, and NCCL
 # itself on a collective timeout (into the run folder's hangs/).
 mkdir -p "$OUT/hangs"
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$OUT/hangs/nccl_trace_rank_}
 JOB_NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, -)

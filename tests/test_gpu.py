@@ -5,12 +5,13 @@ most 8 minutes on one H200 (docs/gpu.md counts their launches and steps), the fi
 - g1: every kind of collective a one-GPU run sends reaching NCCL; a bf16 step under ddp, fsdp2, zero2 and zero3, each
   stopped by SIGUSR1 (exit 75, checkpoint) and resumed; the universal resume of zero2/zero3 (a checkpoint declared as
   written on 2 ranks) with the optimizer state on the GPU; ZeRO-3 on the rank's GPU when LOCAL_RANK names another;
-  DDP and FSDP2 steps under CUDA's sync debug mode. All in this process: no interpreter start but pytest's.
+  DDP and FSDP2 steps under CUDA's sync debug mode; the heartbeat's GPU progress, asked without waiting. All in this
+  process: no interpreter start but pytest's.
 - g2: the command end to end for each strategy (`convit-scale train` stopped by the signal, resumed, through the
   universal checkpoint for ZeRO, `export`, `eval` on the GPU, `analyze` for fsdp2).
-- g3: bf16 and fp16 against fp32, fp16 loss scaling, an injected infinite gradient skipped exactly, the flight
-  recorder's collectives in a hang report, the CUDA device augmentation equal to the CPU's, the device resize equal to
-  PIL's and nvJPEG's decode measured against PIL's.
+- g3: bf16 and fp16 against fp32, fp16 loss scaling, an injected infinite gradient skipped exactly, NCCL's flight
+  recorder off by default, its collectives when on and its cost per step (two launches), the CUDA device augmentation
+  equal to the CPU's, the device resize equal to PIL's and nvJPEG's decode measured against PIL's.
 - g4: a tiny run that learns, `bench gate`, the device augmentation's and device resize's throughput, FFCV batches
   pinned.
 - g5: `bench model` and `bench mfu` (ConViT-B+, compiled).
@@ -161,7 +162,7 @@ def _stop_when(run: Path, steps: int, done: threading.Event) -> threading.Thread
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_bf16_run_stops_on_the_signal_and_resumes(strategy, tree, tmp_path):
     """bf16 on the GPU under NCCL: stopped by SIGUSR1 after its third step (exit 75, a checkpoint), then resumed for
-    three more steps from it: every step logged once, every loss finite."""
+    three more steps from it: every step logged once, every loss finite; the heartbeat says the GPU finished them."""
     previous = signal.signal(signal.SIGUSR1, lambda *a: None)  # the run's handler restores this one: a late signal
     # after the run (the watcher's) is then harmless
     r = _recipe(tmp_path, tree, strategy, parallel={"strategy": strategy}, schedule={"max_steps": 400},
@@ -178,6 +179,9 @@ def test_a_bf16_run_stops_on_the_signal_and_resumes(strategy, tree, tmp_path):
     train = _records(tmp_path / strategy)
     assert [t["step"] for t in train] == list(range(1, stopped["step"] + 4))
     assert all(t["loss"] is not None and t["loss"] == t["loss"] for t in train)
+    # what the GPU finished (a CUDA event per mark, asked with query()): the last step's update, once saved
+    device = json.loads((tmp_path / strategy / "heartbeat" / "rank_0.json").read_text())["device"]
+    assert (device["step"], device["what"]) == (stopped["step"] + 3, "update"), device
 
 
 @pytest.mark.g1
@@ -252,6 +256,27 @@ def test_a_training_step_waits_for_the_gpu_once(strategy, tree, tmp_path, monkey
 
 
 # -- g2: the command, end to end ------------------------------------------------------------------------------------
+
+
+@pytest.mark.g1
+def test_the_heartbeats_gpu_progress_asks_without_waiting():
+    """What the heartbeat says the GPU finished (DeviceProgress): a CUDA event per mark, asked from another thread (the
+    watchdog's) with query(): behind a second of GPU work it answers at once with the last mark before it."""
+    from convit_scale.train.watchdog import DeviceProgress
+
+    progress = DeviceProgress.on(torch.device("cuda"))
+    progress.record(1, 1, "update")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's clock cycles
+    progress.record(2, 1, "update")
+    seen = []
+    t0 = time.time()
+    asker = threading.Thread(target=lambda: seen.append(progress.poll()))
+    asker.start()
+    asker.join()
+    assert time.time() - t0 < 0.5 and seen == [{"step": 1, "order": 1, "what": "update"}]
+    torch.cuda.synchronize()
+    assert progress.poll() == {"step": 2, "order": 1, "what": "update"} and not progress.pending
 
 
 @pytest.mark.g2
@@ -346,26 +371,30 @@ def test_injected_inf_gradient_is_skipped_exactly_under_nccl(strategy, tree, tmp
 
 
 @pytest.mark.g3
-def test_a_hang_report_under_nccl_has_the_flight_recorders_collectives(tmp_path, monkeypatch):
-    """What a rank's hang report (or its answer to another rank's) writes under NCCL beside its stacks: the
-    collectives it entered, from NCCL's flight recorder (slurm/launch.sh sets TORCH_NCCL_TRACE_BUFFER_SIZE)."""
-    import pickle
+def test_the_flight_recorder_is_off_by_default_and_its_cost_per_step_is_measured(tmp_path):
+    """NCCL's flight recorder (fault.nccl_trace_entries; recent torch's default is on) on and off, each in its own
+    process (torch reads its size once per process): on, a hang report's trace holds the collectives the rank entered;
+    off (the default), nothing is recorded. The same DDP steps and the same small all-reduces are timed both ways
+    (tests/nccl_trace_cost.py): the ratios go to nccl_flight_recorder.json, for BENCHMARKS.md."""
+    from convit_scale.config import FaultConfig
 
-    import torch.distributed as dist
-
-    from convit_scale.train.watchdog import dump_flight_recorder
-
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")  # read when the process group is made
-    with one_rank_group(torch.device("cuda")):
-        t = torch.ones(1024, device="cuda")
-        dist.all_reduce(t)
-        torch.cuda.synchronize()
-        written = dump_flight_recorder(tmp_path / "rank_0.nccl_trace.pkl")
-    assert written == str(tmp_path / "rank_0.nccl_trace.pkl"), written
-    trace = pickle.loads((tmp_path / "rank_0.nccl_trace.pkl").read_bytes())
-    names = [str(e.get("profiling_name", "")) for e in trace.get("entries", [])]
-    _write("nccl_flight_recorder.json", names)
-    assert any("all_reduce" in n.replace("allreduce", "all_reduce") for n in names), names
+    assert FaultConfig().nccl_trace_entries == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for entries in (0, 2000):
+        out = tmp_path / f"{entries}.json"
+        r = subprocess.run([PY, str(REPO / "tests" / "nccl_trace_cost.py"), str(entries), str(out)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[entries] = json.loads(out.read_text())
+    off, on = runs[0], runs[2000]
+    assert off["recorded"] == 0, off
+    assert any("all_reduce" in n.replace("allreduce", "all_reduce") for n in on["names"]), on
+    _write("nccl_flight_recorder.json", {"off": off, "on": on,
+                                         "step_ratio_on_off": round(on["step_ms"] / off["step_ms"], 4),
+                                         "per_collective_us_added": round(on["per_collective_us"]
+                                                                          - off["per_collective_us"], 2)})
 
 
 @pytest.mark.g3

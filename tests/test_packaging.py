@@ -35,3 +35,29 @@ def test_wheel_ships_every_package_and_recipe(tmp_path):
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == str(site / "convit_scale" / "recipes" / "cpu" / "demo.yaml")
+    _a_checkout_run_in_place_loads_the_installed_crop_decoder(src, site)
+
+
+def _a_checkout_run_in_place_loads_the_installed_crop_decoder(checkout, site):
+    """A container job: `python -m` from the mounted checkout (no library built in it) shadows the package the image
+    installed (here the wheel, unpacked as pip installs it): the installed copy's crop-region decoder is loaded.
+    Without one anywhere, a training run on FFCV or WebDataset refuses to start unless data.whole_jpeg_decode asks."""
+    for built in (checkout / "convit_scale").glob("_jpeg_roi.*.so"):
+        built.unlink()
+    code = ("from convit_scale import jpeg_roi as j; print(j.__file__, j.LIBRARY, sep='\\n');"
+            "print(j.refusal('wds', 'cpu', False)); print(j.refusal('wds', 'cpu', True), j.refusal('imagefolder', "
+            "'cpu', False), j.refusal('ffcv', 'device', False))")
+    env = {"PATH": "/usr/bin:/bin"}
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=checkout,
+                           env={**env, "PYTHONPATH": str(site)})
+    assert found.returncode == 0, found.stderr[-2000:]
+    module, library, refused, _ = found.stdout.splitlines()
+    assert module == str(checkout / "convit_scale" / "jpeg_roi.py")  # the checkout's code ...
+    assert library.startswith(str(site / "convit_scale" / "_jpeg_roi.")) and refused == "None"  # ... the image's
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=checkout,
+                           env=env)  # no installed copy either (the shared environment's is editable: nothing built)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    _, library, refused, others = alone.stdout.splitlines()
+    assert library.startswith("convit_scale/_jpeg_roi.c is not built here and no installed convit-scale has it")
+    assert refused.startswith("data.whole_jpeg_decode = false: the crop-region JPEG decoder is missing")
+    assert others == "None None None"  # asked for, or not the loaders that crop-decode on the CPU

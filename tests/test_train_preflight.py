@@ -25,6 +25,17 @@ def test_a_recipe_in_order_passes_and_nothing_is_written(fm_wds, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_without_the_crop_decoder_a_run_refuses_to_start_unless_asked(fm_wds, tmp_path, monkeypatch):
+    """Where convit_scale/_jpeg_roi.c's library is found nowhere (tests/test_packaging.py: not beside the module, nor
+    in an installed copy), every rank would decode whole JPEGs: the run refuses, unless data.whole_jpeg_decode."""
+    from convit_scale import jpeg_roi
+
+    monkeypatch.setattr(jpeg_roi, "AVAILABLE", False)
+    with pytest.raises(BadInput, match=r"^data.whole_jpeg_decode = false: the crop-region JPEG decoder is missing"):
+        preflight(_cfg(tmp_path, fm_wds))
+    preflight(_cfg(tmp_path, fm_wds, "data.whole_jpeg_decode=true"))
+
+
 def test_the_output_folder_and_the_datas_files_are_checked(fm_wds, tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(BadInput, match=r"^run.output_dir = .*a_file/out: .*a_file is a file, not a folder"):

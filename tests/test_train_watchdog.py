@@ -2,6 +2,7 @@
 that stopped first (from the heartbeats, without a collective); the loop's phases and checkpoint.every_minutes."""
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -15,6 +16,7 @@ from convit_scale.train.watchdog import (
     EVAL,
     REDUCE,
     SAVE,
+    DeviceProgress,
     Timeouts,
     Watchdog,
     collective_failure,
@@ -130,6 +132,50 @@ def test_rank_0_fires_for_a_rank_whose_heartbeat_stopped_in_a_long_phase(tmp_pat
         r0.stop()
 
 
+class _Event:
+    """A CUDA event's stand-in: complete when recorded, unless its device is held (a GPU that stopped)."""
+
+    def __init__(self, held: threading.Event):
+        self.held = held
+
+    def record(self):
+        self.completes = not self.held.is_set()
+
+    def query(self):
+        return self.completes
+
+
+def test_a_gpu_that_stopped_is_named_not_the_rank_that_waited_longest(tmp_path):
+    """Every rank's host waits in the step's reduction read, whichever GPU stopped: rank 0 got there first (waited
+    longest), rank 1's GPU stopped in its forward of step 32. The heartbeats say what each device finished (an event
+    per mark, asked without waiting): rank 0's watchdog fires and names rank 1, and rank 0 as waiting."""
+    held = [threading.Event(), threading.Event()]
+    reports, fired = [], threading.Event()
+    r0 = Watchdog(tmp_path, 0, 2, Timeouts(step=1.0, startup=1.0, long=1.0), heartbeat_s=0.2,
+                  on_hang=lambda r: (reports.append(r), fired.set()))
+    r1 = Watchdog(tmp_path, 1, 2, Timeouts(step=100, startup=100, long=100), heartbeat_s=0.2, on_hang=lambda r: None)
+    for w, h in ((r0, held[0]), (r1, held[1])):
+        w.track(DeviceProgress(lambda h=h: _Event(h)))
+        w.start().step_done(31)
+        w.device_mark(31, 1, "update")
+    held[1].set()  # rank 1's GPU stops: what it is given from now on never completes
+    for w in (r0, r1):
+        w.mark(COMPUTE)
+        w.device_mark(32, 0, "forward of micro-batch 1")
+        w.mark(REDUCE)
+        time.sleep(0.3)  # rank 0 entered the reduction first
+    try:
+        assert fired.wait(20)
+        report = reports[0]
+        assert [c["rank"] for c in report["culprits"]] == [1] and [w["rank"] for w in report["waiting"]] == [0]
+        assert report["culprits"][0]["device"] == {"step": 31, "order": 1, "what": "update"}
+        assert "rank 1 on " in report["summary"] and "stopped on its device after the update of step 31" in \
+            report["summary"] and "in step 32 (reduction)" in report["summary"]
+    finally:
+        r1.stop()
+        r0.stop()
+
+
 def test_a_failed_collective_is_told_from_other_errors():
     import torch.distributed as dist
 
@@ -165,12 +211,17 @@ def test_timeouts_by_phase():
 def test_every_minutes_saves_after_the_same_step_on_every_rank_and_heartbeats_say_how_ranks_ended(fm_tree, tmp_path,
                                                                                                 capsys):
     """checkpoint.every_minutes: rank 0's clock travels in the step's reduction (here every step is due); each save
-    is timed in metrics.jsonl; the watchdog is announced, publishes heartbeats, and the last one says "finished"."""
+    is timed in metrics.jsonl; the watchdog is announced, publishes heartbeats, and the last one says "finished".
+    NCCL's flight recorder is off unless the recipe asks (recent torch turns it on by default), set before the group
+    forms."""
+    from convit_scale.train.distributed import FLIGHT_RECORDER_VARS
+
     out = tmp_path / "out"
     r = tiny_recipe(tmp_path / "r.yaml", "imagefolder", fm_tree, out, data={"val_path": ""},
                     schedule={"max_steps": 3}, checkpoint={"every_minutes": 1e-6, "keep_last": 5},
                     fault={"hang_timeout_s": 30, "heartbeat_s": 0.5, "collective_timeout_s": 60})
     assert train_here(r) == 0
+    assert all(os.environ.get(v) == "0" for v in FLIGHT_RECORDER_VARS)
     saves = records(out, "checkpoint")
     assert [(s["step"], s["reason"]) for s in saves] == [(1, "every_minutes"), (2, "every_minutes"), (3, "end")]
     assert all(s["save_s"] > 0 for s in saves)
@@ -179,6 +230,7 @@ def test_every_minutes_saves_after_the_same_step_on_every_rank_and_heartbeats_sa
     assert "collective timeout 60 s from now on" in printed
     beat = json.loads((out / "heartbeat" / "rank_0.json").read_text())
     assert beat["state"] == "finished" and beat["step"] == 3 and beat["started"]
+    assert beat["device"] == {"step": 3, "order": 1, "what": "update"}  # on the CPU, what is issued is finished
 
 
 def test_child_states_say_where_the_kernel_has_each_worker_wait():

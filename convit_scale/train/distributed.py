@@ -125,6 +125,18 @@ def one_gpu_per_task(env=None) -> str | None:
             f"--gpus-per-task (ask --gpus-per-node; with slurm/launch.sh: SRUN_ARGS=--gpu-bind=none)")
 
 
+FLIGHT_RECORDER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""NCCL's flight recorder's size, under its names old and new (torch >= 2.7 reads the first and defaults to 2,000
+entries: on; older ones read the second and default to 0). Read once per process, when the first NCCL group forms."""
+
+
+def set_flight_recorder(entries: int) -> None:
+    """NCCL's flight recorder for the process groups this process forms from now on (``fault.nccl_trace_entries``;
+    0: off). On, each collective records an entry with its Python stack: a cost per collective, not per entry kept."""
+    for name in FLIGHT_RECORDER_VARS:
+        os.environ[name] = str(int(entries))
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     launcher = _env_from_slurm()
     if "RANK" not in os.environ:

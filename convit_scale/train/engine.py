@@ -19,7 +19,7 @@ from ..config import Config
 from ..data import DataError
 from ..errors import BadInput
 from ..runfolder import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_STORAGE, FolderHeld, release_lease
-from .distributed import init_distributed
+from .distributed import init_distributed, set_flight_recorder
 from .integrity import StorageError
 from .loop import fit
 from .setup import log, setup
@@ -51,6 +51,7 @@ def train(cfg: Config) -> str:
     """Run the recipe on this rank; returns "finished" or "stopped" (after a stop signal, saved)."""
     stop, watch, outcome = StopSignal(), _watchdog(cfg), "ended"
     try:
+        set_flight_recorder(cfg.fault.nccl_trace_entries)  # before the process group: NCCL reads it then
         ctx = init_distributed(cfg.parallel.backend, int(long_collective_timeout_s(cfg.parallel, cfg.fault)))
     except BaseException as e:
         watch.stop(_outcome(e))

@@ -15,6 +15,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from .. import jpeg_roi
 from ..config import Config, model_options
 from ..data import DataError, Manifest
 from ..data.imagefolder import imagefolder_samples
@@ -53,6 +54,9 @@ def preflight(cfg: Config) -> None:
         if getattr(d, key):
             _check_data(cfg, split, key, getattr(d, key))
     check_log_backends(cfg.log)  # log.tensorboard / log.wandb without their package
+    refused = jpeg_roi.refusal(d.format, d.decode_on, d.whole_jpeg_decode)
+    if refused:
+        raise BadInput(refused)
     if cfg.model.pretrained:
         _check_pretrained(cfg.model)
     _check_resume(cfg)

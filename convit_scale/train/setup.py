@@ -31,7 +31,7 @@ from .optim import build_optimizer
 from .schedule import peak_lr
 from .signals import StopSignal
 from .state import TrainState
-from .watchdog import Watchdog
+from .watchdog import DeviceProgress, Watchdog
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
               faults=Faults.from_env(ctx.rank), teacher=teacher,
               device_augment=device_augment_config(cfg.data) if on_device else None,
               watch=watch or Watchdog.for_run(cfg.fault, out, ctx.rank, ctx.world_size, ctx.backend))
+    run.watch.track(DeviceProgress.on(ctx.device))  # what the GPU finished, in each heartbeat (step.py marks it)
     if teacher is not None:
         check_teacher(teacher, cfg, val_loader, ctx)
     m = state.meters

@@ -138,6 +138,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
         strategy.step(norm)
         state.consecutive_bad = 0
     state.step += 1
+    watch.device_mark(state.step, run.accum, "update")  # the device has finished the step when this completes
     bad = bool(totals.bad_loss or bad_grad)
     return StepResult(totals.loss_sum / cfg.data.global_batch_size, None if bad else norm, bad, totals.stop > 0,
                       lr, bad_samples, ids, totals.save_due > 0, totals.log_due > 0)
@@ -175,6 +176,8 @@ def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepSt
         loss = run.faults.apply(loss, state.step, m)
     stats.add("loss_sum", loss.detach() * part.samples)
     stats.add("bad_loss", (~torch.isfinite(loss.detach())).double())
+    # before the backward's collectives: a GPU that stops in its forward is told from those that wait for it there
+    run.watch.device_mark(state.step + 1, m, f"forward of micro-batch {m + 1}")
     # Every strategy averages the gradient over the ranks and the accumulation (DDP's all-reduce, FSDP2's
     # reduce-scatter, DeepSpeed's mean, and ``grad_accum`` here): a micro-batch's mean loss times
     # samples x world x accum / B makes that average the gradient of the global batch's mean loss whatever each

@@ -4,15 +4,17 @@ The loop marks its progress (``mark(phase, step)``: two attribute stores, no I/O
 wakes every second; when the current phase has lasted longer than its timeout (``fault.hang_timeout_s`` during steps,
 ``fault.startup_timeout_s`` until the first step has ended, ``fault.long_phase_timeout_s`` for checkpoints, resume,
 evaluation and an epoch's first batch) it writes every thread's Python stack (faulthandler, which works from a
-thread), under NCCL the flight recorder's record of the collectives this rank entered, and a report naming the rank
+thread), under NCCL with its flight recorder on the collectives this rank entered, and a report naming the rank
 that stopped first, then ends the process with ``EXIT_HANG``: srun (``--kill-on-bad-exit``) or torchrun end the
 others, and the Slurm launcher restarts the run from its newest checkpoint.
 
 Rank 0's thread renews the run folder's lease (runfolder.py) with its heartbeat. Each rank's thread also publishes
 its progress every ``fault.heartbeat_s`` in ``run_dir/heartbeat/rank_<r>.json``
-(step, phase, since when, and ``alive``: when the thread last wrote), where the others read it without a collective.
-A rank whose file stopped being written (a stopped or dead process) stopped first; else the one that is not waiting
-in a collective (a loader that never delivers, a kernel that never ends); the others were only waiting for it. Rank 0
+(step, phase, since when, what its GPU has finished (``DeviceProgress``), and ``alive``: when the thread last wrote),
+where the others read it without a collective. A rank whose file stopped being written (a stopped or dead process)
+stopped first; else the one that is not waiting in a collective (a loader that never delivers); else, every host
+waiting in the same place, the one whose GPU finished least (a kernel that never ends); the others were only waiting
+for it. Rank 0
 also reads the others' files each period once the first step has ended: a rank whose file is older than the step
 timeout is stopped, dead or cut off whatever its phase (a slow checkpoint keeps its file fresh), and rank 0's watchdog
 fires for it then, instead of waiting for a long phase's timeout.
@@ -33,9 +35,11 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
@@ -44,7 +48,7 @@ from ..files import write_json_atomic
 from ..runfolder import renew_lease
 from .signals import EXIT_HANG
 
-__all__ = ["COMPUTE", "DATA", "LOG", "REDUCE", "Watchdog", "who_stopped"]
+__all__ = ["COMPUTE", "DATA", "LOG", "REDUCE", "DeviceProgress", "Watchdog", "who_stopped"]
 STARTUP = "start-up"
 EPOCH_START, SAVE, RESUME, EVAL = "data (epoch start)", "checkpoint save", "resume", "evaluation"
 LONG_PHASES = frozenset({EPOCH_START, SAVE, RESUME, EVAL})
@@ -99,6 +103,56 @@ def long_collective_timeout_s(parallel, fault) -> float:
     return max(float(parallel.timeout_s), max(fault.startup_timeout_s, fault.long_phase_timeout_s) + WATCHDOG_FIRST_S)
 
 
+class DeviceProgress:
+    """What this rank's device has finished, for its heartbeat. The step's host waits in its one reduction read on
+    every rank alike, so the host's phase cannot tell a GPU that stopped from the GPUs waiting for it in a collective:
+    an event recorded where the step's work is issued (after each micro-batch's forward, before its backward and the
+    collectives; after the update) completes when the device has done everything before it. The watchdog thread asks
+    each pending event whether it has completed (``query``: never a wait) and publishes the last that has; the rank
+    whose device finished least is the one that stopped. On the CPU the step is synchronous: what is issued is done.
+
+    ``new_event``: makes an object with ``record()`` and ``query()`` (``torch.cuda.Event``; a test's stand-in)."""
+
+    TRIM = 64
+    """Pending events the step's thread lets pile up before it drops the completed ones itself (between heartbeats)."""
+
+    def __init__(self, new_event=None, device: torch.device | None = None):
+        self.new_event, self.device = new_event, device
+        self.pending: deque = deque()
+        self.done: dict | None = None
+        self._lock = threading.Lock()
+        self._thread_device = threading.local()
+
+    @classmethod
+    def on(cls, device: torch.device) -> "DeviceProgress":
+        if device.type == "cuda" and torch.cuda.is_available():
+            return cls(torch.cuda.Event, device)
+        return cls()
+
+    def record(self, step: int, order: int, what: str) -> None:
+        """The device's work issued so far, up to ``what`` of ``step`` (``order``: its place within the step)."""
+        mark = {"step": step, "order": order, "what": what}
+        if self.new_event is None:
+            self.done = mark
+            return
+        event = self.new_event()
+        event.record()  # on the current stream, behind the work issued so far
+        self.pending.append((mark, event))
+        if len(self.pending) >= self.TRIM:
+            self.poll()
+
+    def poll(self) -> dict | None:
+        """The last mark whose event has completed (completed ones leave the queue); never waits for the device. The
+        watchdog's thread names the rank's GPU first, so that CUDA does not make a context on GPU 0 for it."""
+        with self._lock:
+            if self.device is not None and not getattr(self._thread_device, "set", False):
+                torch.cuda.set_device(self.device)  # once per thread asking
+                self._thread_device.set = True
+            while self.pending and self.pending[0][1].query():
+                self.done = self.pending.popleft()[0]
+        return self.done
+
+
 @dataclass
 class Watchdog:
     """One rank's watchdog thread (the module says what it does). ``on_hang`` ends the process (``os._exit``); tests
@@ -113,6 +167,10 @@ class Watchdog:
     backend: str = "gloo"
     enabled: bool = True
     """False: the phases are recorded (``mark``) but no thread watches them and no heartbeat is written."""
+    nccl_trace_entries: int = 0
+    """NCCL's flight recorder's size (``fault.nccl_trace_entries``): 0, off, and nothing to write with a report."""
+    device: DeviceProgress | None = None
+    """What the rank's device has finished (``track``), in each heartbeat; None: not tracked."""
     phase: str = STARTUP
     step: int = 0
     since: float = field(default_factory=time.time)
@@ -132,7 +190,8 @@ class Watchdog:
     @classmethod
     def for_run(cls, fault, out: Path, rank: int, world_size: int, backend: str = "gloo") -> "Watchdog":
         t = Timeouts(fault.hang_timeout_s, fault.startup_timeout_s, fault.long_phase_timeout_s)
-        return cls(Path(out), rank, world_size, t, fault.heartbeat_s, backend=backend, enabled=fault.enabled)
+        return cls(Path(out), rank, world_size, t, fault.heartbeat_s, backend=backend, enabled=fault.enabled,
+                   nccl_trace_entries=fault.nccl_trace_entries)
 
     def describe(self) -> str:
         t = self.timeouts
@@ -145,6 +204,15 @@ class Watchdog:
         self.phase, self.since = phase, time.time()
         if step is not None:
             self.step = step
+
+    def track(self, device: DeviceProgress) -> None:
+        """Publish what the device has finished (``device_mark``) with each heartbeat, for ``who_stopped``."""
+        self.device = device
+
+    def device_mark(self, step: int, order: int, what: str) -> None:
+        """The step's work issued up to here (``DeviceProgress.record``); nothing without the watchdog's thread."""
+        if self.enabled and self.device is not None:
+            self.device.record(step, order, what)
 
     def step_done(self, step: int) -> None:
         """A step ended: from the first one on, the start-up timeout no longer applies. Without the thread
@@ -181,7 +249,8 @@ class Watchdog:
     def beat(self, state: str = "running") -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "node": self.node, "pid": self.pid,
                 "launch": self.launch, "step": self.step, "phase": self.phase, "since": self.since,
-                "alive": time.time(), "born": self.born, "started": self.started, "state": state}
+                "alive": time.time(), "born": self.born, "started": self.started, "state": state,
+                "device": None if self.device is None else self.device.poll()}
 
     def publish(self, state: str = "running") -> None:
         if not self.enabled:
@@ -259,10 +328,15 @@ class Watchdog:
         stacks = self.write_stacks(f"asked by rank {req.get('rank')} on {req.get('node')} ({req.get('reason')}); "
                                    f"this rank had been in {where(self.step, self.phase)} for "
                                    f"{time.time() - self.since:.0f} s", child_states())
-        if self.backend == "nccl":  # the collectives this rank entered: beside the asking rank's, who waited on whom
+        if self._traced:  # the collectives this rank entered: beside the asking rank's, who waited on whom
             dump_flight_recorder(self.out / "hangs" / f"rank_{self.rank}.nccl_trace.pkl")
         print(f"[convit-scale] rank {self.rank} on {self.node}: every thread's stack in {stacks} (asked by rank "
               f"{req.get('rank')}: {req.get('reason')})", file=sys.stderr, flush=True)
+
+    @property
+    def _traced(self) -> bool:
+        """NCCL's flight recorder holds this rank's collectives (the backend is NCCL and the recorder is on)."""
+        return self.backend == "nccl" and self.nccl_trace_entries > 0
 
     def write_stacks(self, headline: str, children: list[dict] | None = None) -> Path:
         """Every thread's Python stack (faulthandler: works from this thread, whatever the main thread is doing),
@@ -292,7 +366,7 @@ class Watchdog:
         stacks = self.write_stacks(f"{what} (limit {limit:g} s)", children)
         print(f"[convit-scale] rank {self.rank} on {self.node}: {what}; every thread's stack (also in {stacks}):\n"
               f"{stacks.read_text()}", file=sys.stderr, flush=True)
-        trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self.backend == "nccl" else None
+        trace = dump_flight_recorder(hangs / f"rank_{self.rank}.nccl_trace.pkl") if self._traced else None
         self.publish("hung")
         time.sleep(min(2.0, self.heartbeat_s))  # the other ranks that fire now publish their state too
         if self.frozen_s:  # continued after a stop (the job's kill sends SIGCONT first): this rank is the one
@@ -336,8 +410,8 @@ def _exit_hang(report: dict) -> None:
 
 
 def dump_flight_recorder(path: Path) -> str | None:
-    """NCCL's flight recorder (the collectives this rank entered, with TORCH_NCCL_TRACE_BUFFER_SIZE set; the Slurm
-    launcher sets it) into ``path``, where this torch exposes it; None otherwise."""
+    """NCCL's flight recorder (the collectives this rank entered, with ``fault.nccl_trace_entries`` above 0: train/
+    distributed.py's ``set_flight_recorder``) into ``path``, where this torch exposes it; None otherwise."""
     dump = getattr(c10d, "_dump_nccl_trace", None)
     if dump is None or not (dist.is_available() and dist.is_initialized()):
         return None
@@ -390,6 +464,25 @@ def _where(b: dict) -> str:
     return f"rank {b['rank']} on {b['node']}"
 
 
+def _device_key(b: dict) -> tuple[int, int] | None:
+    d = b.get("device")
+    return None if d is None else (d["step"], d["order"])
+
+
+def _device_text(b: dict) -> str:
+    d = b.get("device")
+    return "nothing" if d is None else f"the {d['what']} of step {d['step']}"
+
+
+def _device_behind(beats: list[dict]) -> list[dict]:
+    """The ranks whose device finished least (``DeviceProgress``), when every rank's is known and they differ."""
+    keys = [_device_key(b) for b in beats]
+    if None in keys or len(set(keys)) < 2:
+        return []
+    least = min(keys)
+    return sorted((b for b, k in zip(beats, keys) if k == least), key=lambda b: b["since"])
+
+
 def who_stopped(beats: list[dict], world_size: int, now: float, heartbeat_s: float) -> dict:
     """Which ranks stopped first and which were only waiting for them, from the heartbeats of one launch:
 
@@ -397,9 +490,11 @@ def who_stopped(beats: list[dict], world_size: int, now: float, heartbeat_s: flo
        or dead);
     2. else the ranks furthest behind (``faults.progress_key``: the step, then the phase within it: data, then
        forward/backward, then the reduction) while others went further and wait for them in a collective;
-    3. else, all at the same point, the one there longest.
+    3. else, all at the same point (every host waits in the step's reduction, say), the ranks whose device finished
+       least (``DeviceProgress``: a GPU that stopped, while the others' wait for it in a collective);
+    4. else the one there longest.
 
-    Returns culprits and waiting ranks (rank, node, step, phase, since), and a one-line summary."""
+    Returns culprits and waiting ranks (rank, node, step, phase, since, device), and a one-line summary."""
     seen = {b["rank"] for b in beats}
     missing = [r for r in range(world_size) if r not in seen]
     stale = [b for b in beats if now - b["alive"] > STALE_BEATS * heartbeat_s and b.get("state") != "hung"]
@@ -410,14 +505,17 @@ def who_stopped(beats: list[dict], world_size: int, now: float, heartbeat_s: flo
         late = [b for b in beats if progress_key(b["step"], b["phase"]) == behind]
         if len(late) < len(beats):  # the others went further and wait for these (in a collective)
             culprits, why = sorted(late, key=lambda b: b["since"]), "made no progress for {age:.0f} s"
+        elif device_late := _device_behind(beats):  # the same point, but these devices finished less
+            culprits, why = device_late, ("stopped on its device after {device} (the others' devices went "
+                                          "further; its host waited {age:.0f} s)")
         else:  # all at the same point: the one there longest
             culprits, why = [min(beats, key=lambda b: b["since"])], "was the first to stop ({age:.0f} s ago)"
     else:
         culprits, why = [], ""
     names = {b["rank"] for b in culprits}
     waiting = [b for b in beats if b["rank"] not in names]
-    keep = ("rank", "node", "step", "phase", "since", "alive", "pid")
-    parts = [f"{_where(b)} " + why.format(age=now - (b["alive"] if b in stale else b["since"]))
+    keep = ("rank", "node", "step", "phase", "since", "alive", "pid", "device")
+    parts = [f"{_where(b)} " + why.format(age=now - (b["alive"] if b in stale else b["since"]), device=_device_text(b))
              + f" in {where(b['step'], b['phase'])}" for b in culprits]
     parts += [f"rank {r} never published a heartbeat" for r in missing]
     wait = (f"; ranks {', '.join(str(b['rank']) for b in waiting)} were waiting for it "

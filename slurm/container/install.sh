@@ -43,7 +43,11 @@ for line in open(sys.argv[1]).read().split():
     name, version = line.split("==")
     assert m.version(name) == version, f"{name} changed: {version} -> {m.version(name)}"
 import deepspeed, ffcv, timm, torch, webdataset  # noqa: E401,F401
-import convit_scale  # noqa: F401
+# From the source tree (the working folder comes first on the path), as a job runs `python -m` from its mounted
+# checkout: the package imported is the source's, and the crop-region decoder it loads is the installed copy's.
+from convit_scale import jpeg_roi
+assert jpeg_roi.AVAILABLE, f"the crop-region JPEG decoder does not load from the source tree: {jpeg_roi.LIBRARY}"
+print(f"crop-region decoder: {jpeg_roi.LIBRARY}")
 print(f"convit-scale installed; torch {torch.__version__}, CUDA {torch.version.cuda}")
 PY
 fi
