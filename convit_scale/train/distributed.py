@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -126,15 +127,25 @@ def one_gpu_per_task(env=None) -> str | None:
 
 
 FLIGHT_RECORDER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-"""NCCL's flight recorder's size, under its names old and new (torch >= 2.7 reads the first and defaults to 2,000
-entries: on; older ones read the second and default to 0). Read once per process, when the first NCCL group forms."""
+"""NCCL's flight recorder's size, under its names new and old: torch >= 2.7 reads the first (default 2,000 entries:
+on) and warns on every rank, on every group, when it finds the second; older ones read only the second (default 0)."""
+
+
+def flight_recorder_var(version: str | None = None) -> str:
+    """The name this torch reads (``version``: ``torch.__version__`` unless given): exactly one is set, so neither
+    an old torch misses it nor a new one prints a deprecation warning per rank."""
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", version or torch.__version__).groups())
+    return FLIGHT_RECORDER_VARS[0] if (major, minor) >= (2, 7) else FLIGHT_RECORDER_VARS[1]
 
 
 def set_flight_recorder(entries: int) -> None:
     """NCCL's flight recorder for the process groups this process forms from now on (``fault.nccl_trace_entries``;
-    0: off). On, each collective records an entry with its Python stack: a cost per collective, not per entry kept."""
+    0: off). On, each collective records an entry with its Python stack: a cost per collective, not per entry kept.
+    The other name is removed (a launcher's environment may carry it) so that this torch never sees both."""
+    chosen = flight_recorder_var()
     for name in FLIGHT_RECORDER_VARS:
-        os.environ[name] = str(int(entries))
+        os.environ.pop(name, None)
+    os.environ[chosen] = str(int(entries))
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> DistContext:
