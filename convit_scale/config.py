@@ -899,6 +899,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Load a recipe (with its bases), apply dotted overrides, and validate everything."""
     data = _read_yaml(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
+    recipe_model = _model_name(data)
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -909,9 +910,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         node[keys[-1]] = value
     if overrides:
         source += " (with overrides " + " ".join(overrides) + ")"
+    _drop_paper_of_another_model(data, recipe_model)
     cfg = _build(Config, _yaml_numbers(data), "", source)
     cfg.validate(source)
     return cfg
+
+
+def _model_name(data: dict):
+    model = data.get("model")
+    return model.get("name", ModelConfig.name) if isinstance(model, dict) else ModelConfig.name
+
+
+def _drop_paper_of_another_model(data: dict, recipe_model) -> None:
+    """The recipe's ``paper:`` row is its model's: a run whose ``model.name`` an override changed trains another
+    model, and is not set beside that row at its end (the resolved config, config.yaml, has no paper section)."""
+    if _model_name(data) != recipe_model:
+        data.pop("paper", None)
 
 
 def _first_line(e: BaseException) -> str:

@@ -50,6 +50,16 @@ def test_a_recipe_of_ones_own_builds_on_a_shipped_one_by_its_name(tmp_path):
                             f"(table1/convit_base.yaml)")
 
 
+def test_a_run_of_another_model_is_not_set_beside_the_recipes_paper_row():
+    """The paper row of a recipe is its model's: an override of model.name drops it (the end of the run compares
+    nothing, config.yaml has no paper row); other overrides, or the recipe's own model named again, keep it."""
+    recipe = RECIPES / "table1" / "convit_base_plus.yaml"
+    assert load_config(recipe, ["optim.base_lr=1e-4"]).paper.top1 == 82.5
+    assert load_config(recipe, ["model.name=convit_base_plus"]).paper.row == "ConViT-B+"
+    other = load_config(recipe, ["model.name=convit_nano", "model.num_classes=10"]).paper
+    assert (other.table, other.row, other.top1) == (None, None, None)
+
+
 @pytest.mark.parametrize("text,needle", [
     ("optim: {lrr: 1}\n", "unknown key 'optim.lrr'; allowed keys in 'optim': base_lr"),
     ("bogus: {a: 1}\n", "unknown key 'bogus'; allowed keys at the top level: model, data"),
