@@ -794,8 +794,25 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     bases = raw.pop("base", None)
     merged: dict = {}
     for b in [bases] if isinstance(bases, str) else bases or []:
-        merged = _deep_merge(merged, _read_yaml((path.parent / b), chain + (path.resolve(),)))
+        merged = _deep_merge(merged, _read_yaml(_base_path(path, b), chain + (path.resolve(),)))
     return _deep_merge(merged, raw)
+
+
+def _base_path(including: Path, base) -> Path:
+    """Where a recipe's ``base: NAME`` is: NAME relative to the including file, else the shipped recipe of that name
+    (``table1/convit_base_plus.yaml`` or ``recipes/table1/...``, in the checkout or the installed package), so a
+    recipe of one's own, anywhere, can build on a shipped one; a ConfigError naming the file and every path tried."""
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{including}: base = {base!r} is not allowed; expected a recipe file name or a list of them")
+    tried = [including.parent / base]
+    parts = Path(base).parts
+    if not Path(base).is_absolute():
+        tried.append(RECIPES / Path(*(parts[1:] if len(parts) > 1 and parts[0] == "recipes" else parts)))
+    found = next((p for p in tried if p.is_file()), None)
+    if found is None:
+        raise ConfigError(f"{including}: base {base} not found; tried {', '.join(map(str, tried))}; allowed: a "
+                          f"recipe relative to {including.name}, or a shipped recipe's name (table1/convit_base.yaml)")
+    return found
 
 
 def _type_name(tp) -> str:
@@ -893,6 +910,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Load a recipe (with its bases), apply dotted overrides, and validate everything."""
     data = _read_yaml(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
+    recipe_model = _model_name(data)
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -903,9 +921,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         node[keys[-1]] = value
     if overrides:
         source += " (with overrides " + " ".join(overrides) + ")"
+    _drop_paper_of_another_model(data, recipe_model)
     cfg = _build(Config, _yaml_numbers(data), "", source)
     cfg.validate(source)
     return cfg
+
+
+def _model_name(data: dict):
+    model = data.get("model")
+    return model.get("name", ModelConfig.name) if isinstance(model, dict) else ModelConfig.name
+
+
+def _drop_paper_of_another_model(data: dict, recipe_model) -> None:
+    """The recipe's ``paper:`` row is its model's: a run whose ``model.name`` an override changed trains another
+    model, and is not set beside that row at its end (the resolved config, config.yaml, has no paper section)."""
+    if _model_name(data) != recipe_model:
+        data.pop("paper", None)
 
 
 def _first_line(e: BaseException) -> str:

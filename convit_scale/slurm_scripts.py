@@ -3,12 +3,24 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 _OPTION = re.compile(r"^#SBATCH\s+--([\w-]+)(?:[= ](\S+))?", re.MULTILINE)
 _RECIPE = re.compile(r"RECIPE=\$\{RECIPE:-([^}]+)\}")
+_PLANNED = re.compile(r"^# Time limit: (\d+) x the ([\d.]+) h that `convit-scale plan", re.MULTILINE)
+
+TIME_MARGIN = 4
+"""A job script's ``--time`` is this many times its job's wall-clock hours in ``convit-scale plan --slurm-jobs --gpu
+h200-141gb``, rounded up to whole hours (the plan assumes 40% MFU and counts no evaluation, checkpoint or start-up;
+a job that reaches its limit saves and requeues itself, so the limit trades the queue's wait against requeues)."""
+
+
+def time_limit_hours(planned_hours: float) -> int:
+    """The ``--time`` in hours for a job the planner gives ``planned_hours``."""
+    return math.ceil(round(TIME_MARGIN * planned_hours, 6))
 
 
 def slurm_folder() -> Path:
@@ -25,6 +37,7 @@ class SlurmScript:
     path: Path
     recipe: str | None
     options: dict
+    text: str = ""
 
     def number(self, option: str, default: int) -> int:
         value = self.options.get(option, "")
@@ -46,6 +59,24 @@ class SlurmScript:
     def cpus_per_task(self) -> int:
         return self.number("cpus-per-task", 1)
 
+    @property
+    def hours(self) -> float | None:
+        """``--time`` in hours, in any of sbatch's forms (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None without one."""
+        days, _, clock = self.options.get("time", "").rpartition("-")
+        if not re.fullmatch(r"\d+(:\d+){0,2}", clock) or not re.fullmatch(r"\d*", days):
+            return None
+        parts = [int(p) for p in clock.split(":")]
+        if not days and len(parts) < 3:  # M or M:S
+            parts = [0, *parts]
+        h, m, sec = (parts + [0, 0])[:3]
+        return int(days or 0) * 24 + h + m / 60 + sec / 3600
+
+    @property
+    def planned(self) -> tuple[int, float] | None:
+        """(margin, planned hours) that the script's comment gives for its ``--time``, None without one."""
+        found = _PLANNED.search(self.text)
+        return (int(found.group(1)), float(found.group(2))) if found else None
+
 
 def read_script(path: str | Path) -> SlurmScript:
     """The options and recipe of one script (FileNotFoundError when it is not a file)."""
@@ -53,7 +84,7 @@ def read_script(path: str | Path) -> SlurmScript:
     text = path.read_text()
     recipe = _RECIPE.search(text)
     return SlurmScript(path, recipe.group(1) if recipe else None,
-                       {key: value or "" for key, value in _OPTION.findall(text)})
+                       {key: value or "" for key, value in _OPTION.findall(text)}, text)
 
 
 def job_scripts(folder: Path | None = None) -> list[SlurmScript]:

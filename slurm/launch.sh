@@ -154,8 +154,13 @@ fi
 # not divide them, the loss weighted by each rank's samples), so a job submitted with a node range (sbatch
 # --nodes=2-4) runs, and resumes any checkpoint of the run, on any count of nodes with no more ranks than groups;
 # only the speed changes (the same global batch; with unequal shares the busiest ranks set the step's time). More
-# ranks than groups are refused here, before srun, and the job is not requeued.
-where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" "${args[@]}" \
+# ranks than groups are refused here, before srun, and the job is not requeued. So is data that the ranks could not
+# read: the train and val folders (DATA_DIR, else the recipe's data paths) are checked against their manifest.json, as
+# every rank's preflight would, in one line naming DATA_DIR and what the recipe's data.format reads.
+data_from="DATA_DIR=${DATA_DIR:-}"
+[ -n "${DATA_DIR:-}" ] || data_from="DATA_DIR is not set (the recipe's data paths)"
+where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" \
+    --check-data "$data_from" "${args[@]}" \
     | sed 's/^/   /' \
     || { echo "error: recipe refused"; exit 2; }
 

@@ -5,6 +5,9 @@
 #   RECIPE=recipes/table2/deit_small_f0.1.yaml DATA_DIR=/data/in-ffcv-10 sbatch slurm/train.sh
 # Nodes, GPUs and time from sbatch's command line (defaults below: 1 node x 8 GPUs, 48 h). The run folder is the
 # recipe's run.output_dir, so a requeue, a resubmission and `convit-scale train` all continue the same run.
+# 48 h is a ceiling for any recipe, not an estimate: the per-model scripts beside this one take 4 x the hours that
+# `convit-scale plan` estimates for their job; `convit-scale plan --recipe R --nodes N` prints a recipe's (wall-clock
+# h), for sbatch --time. A job that reaches its limit saves and requeues itself (--signal=USR1, --requeue).
 # The global batch is the recipe's whatever the node count (micro-batch x accumulation x world).
 #SBATCH --job-name=convit-scale
 #SBATCH --nodes=1

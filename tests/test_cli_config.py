@@ -65,6 +65,23 @@ def test_explain_prints_a_keys_documentation(capsys, monkeypatch):
     assert "no key 'weight_decai' in optim (did you mean 'optim.weight_decay'?)" in capsys.readouterr().err
 
 
+def test_check_data_refuses_a_recipe_without_data_naming_where_its_paths_came_from(capsys, monkeypatch):
+    """slurm/launch.sh's data check before srun: preflight's, with where the paths came from and what the recipe's
+    data.format reads (an ImageFolder recipe: the tree it needs)."""
+    monkeypatch.chdir(REPO)
+    unset = "DATA_DIR is not set (the recipe's data paths)"
+    assert main(["config", "--recipe", "recipes/table1/convit_base_plus.yaml", "--world-size", "32", "--check-data",
+                 unset]) == 2
+    assert capsys.readouterr().err == (f"error: {unset}: data.train_path is empty: point it at prepared shards or "
+                                       "an ImageFolder tree; expected ffcv data (data.format): a folder that "
+                                       "`convit-scale prep ffcv` wrote (manifest.json), or .ffcv/.beton files\n")
+    assert main(["config", "--recipe", DEMO, "--check-data", "DATA_DIR=/nonexistent", "data.format=imagefolder",
+                 "data.train_path=/nonexistent"]) == 2
+    assert capsys.readouterr().err.endswith("data.train_path: /nonexistent does not exist; expected imagefolder data "
+                                            "(data.format): an ImageFolder root with train/ and val/ folders of class "
+                                            "folders\n")
+
+
 def test_world_size_check_is_the_ranks_own(capsys, monkeypatch):
     """slurm/launch.sh's check before srun is check_world, what every rank checks at set-up: a strategy that cannot
     run on that many ranks is refused before any starts, as more ranks than canonical groups are."""

@@ -32,6 +32,34 @@ def test_inheritance_and_overrides(tmp_path):
     assert cfg.data.rand_augment is None
 
 
+def test_a_recipe_of_ones_own_builds_on_a_shipped_one_by_its_name(tmp_path):
+    """``base:`` is looked up beside the including file, then among the shipped recipes (by the name they have under
+    recipes/, with or without that folder); a base found nowhere is refused naming the file and each path tried."""
+    mine = _write(tmp_path / "mine.yaml", "base: table1/convit_base_plus.yaml\nrun: {output_dir: runs/mine}\n")
+    cfg = load_config(mine)
+    assert cfg.model.name == "convit_base_plus" and cfg.data.global_batch_size == 512
+    assert cfg.run.output_dir == "runs/mine"
+    also = _write(tmp_path / "also.yaml", "base: [recipes/table1/convit_base_plus.yaml, mine.yaml]\n")
+    assert load_config(also).run.output_dir == "runs/mine"
+    lost = _write(tmp_path / "lost.yaml", "base: table1/convit_bsae_plus.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(lost)
+    assert str(e.value) == (f"{lost}: base table1/convit_bsae_plus.yaml not found; tried "
+                            f"{tmp_path / 'table1/convit_bsae_plus.yaml'}, {RECIPES / 'table1/convit_bsae_plus.yaml'}"
+                            f"; allowed: a recipe relative to lost.yaml, or a shipped recipe's name "
+                            f"(table1/convit_base.yaml)")
+
+
+def test_a_run_of_another_model_is_not_set_beside_the_recipes_paper_row():
+    """The paper row of a recipe is its model's: an override of model.name drops it (the end of the run compares
+    nothing, config.yaml has no paper row); other overrides, or the recipe's own model named again, keep it."""
+    recipe = RECIPES / "table1" / "convit_base_plus.yaml"
+    assert load_config(recipe, ["optim.base_lr=1e-4"]).paper.top1 == 82.5
+    assert load_config(recipe, ["model.name=convit_base_plus"]).paper.row == "ConViT-B+"
+    other = load_config(recipe, ["model.name=convit_nano", "model.num_classes=10"]).paper
+    assert (other.table, other.row, other.top1) == (None, None, None)
+
+
 @pytest.mark.parametrize("text,needle", [
     ("optim: {lrr: 1}\n", "unknown key 'optim.lrr'; allowed keys in 'optim': base_lr"),
     ("bogus: {a: 1}\n", "unknown key 'bogus'; allowed keys at the top level: model, data"),

@@ -123,13 +123,16 @@ def test_wds_evaluation_replaces_a_corrupt_jpeg_with_the_next_good_sample_of_its
 
 
 def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, tmp_path):
-    """One process, wds: the bad samples of the steps run appear in metrics.jsonl, as the loader lists them."""
+    """One process, wds: the bad samples of the steps run appear in metrics.jsonl, as the loader lists them, and the
+    first one on the console, once; so do the model.pretrained weights the run starts from."""
+    from convit_scale.models import create_model
+
     path, _ = broken_wds
     shards = sorted(path.glob("train-*.tar"))
-    for shard in shards[2:]:  # one more corrupt JPEG per shard, so that the first steps surely meet some
+    for shard in shards[2:]:  # more corrupt JPEGs per shard, so that the first steps surely meet several
         with tarfile.open(shard) as tar:
-            victim = [m.name for m in tar if m.name.endswith(".jpg")][0]
-        _rewrite_shard(shard, lambda name, data, victim=victim: b"not a jpeg" if name == victim else data)
+            victims = set(sorted(m.name for m in tar if m.name.endswith(".jpg"))[:8])
+        _rewrite_shard(shard, lambda name, data, victims=victims: b"not a jpeg" if name in victims else data)
     _record_sizes(path)
     d = DataConfig(format="wds", train_path=str(path), val_path=str(path), global_batch_size=32, num_workers=0,
                    repeated_aug=1)
@@ -140,13 +143,21 @@ def test_training_logs_each_replaced_sample_with_its_shard_and_key(broken_wds, t
         expected += [{"step": step, "epoch": 0, **r, "rank": 0} for r in batch.bad]
         if step == 3:
             break
-    assert expected, "the first steps meet no bad sample: corrupt more"
+    assert len(expected) > 1, "the first steps meet fewer than two bad samples: corrupt more"
+    weights = tmp_path / "nano.pth"
+    torch.save(create_model("convit_nano", num_classes=10).state_dict(), weights)
     r = tiny_recipe(tmp_path / "r.yaml", "wds", path, tmp_path / "out", data={"val_path": ""},
-                    parallel={"strategy": "none"}, schedule={"max_steps": 3})
+                    parallel={"strategy": "none"}, schedule={"max_steps": 3}, model={"pretrained": str(weights)})
     res = run_cli("train", "--recipe", str(r))
     assert res.returncode == 0, res.stderr[-3000:]
     logged = [{k: v for k, v in rec.items() if k != "kind"} for rec in records(tmp_path / "out", "bad_sample")]
     assert logged == expected
+    said = [ln for ln in res.stdout.splitlines() if "replaced" in ln or "pretrained" in ln]
+    first = expected[0]
+    assert said == [f"[convit-scale] model.pretrained: convit_nano starts from the weights of {weights}",
+                    f"[convit-scale] a training sample was replaced by another of its batch: {first['shard']}, key "
+                    f"{first['key']} ({first['reason']}); said once: every replaced sample is a bad_sample record in "
+                    f"metrics.jsonl, at most data.max_bad_samples = 100 per epoch and rank"], res.stdout
 
 
 @pytest.mark.parametrize("split", ["train", "val"])

@@ -1,6 +1,6 @@
 """Documents that quote a tool's output quote what the tool prints now: docs/planning.md's `plan` of ConViT-B+ and
 BENCHMARKS.md's table of the Slurm jobs (both at this machine's decode, the figure a plan without calibration uses),
-and the ConViT-B+ recipes' comment on their layout."""
+the ConViT-B+ recipes' comment on their layout, and each Slurm job script's --time (derived from its job's plan)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from support import REPO
 
 from convit_scale.cli import main
 from convit_scale.planner import DECODE_MS_HERE
+from convit_scale.slurm_scripts import TIME_MARGIN, job_scripts, time_limit_hours
 
 
 @pytest.fixture
@@ -50,3 +51,8 @@ def test_benchmarks_planning_table_and_recipe_comments_quote_plan(here):
     step = tool["convit_b_plus.sh"][9]
     for recipe in ("convit_base_plus", "deit_base_plus"):
         assert f"{step} ms per step" in (REPO / "recipes" / "table1" / f"{recipe}.yaml").read_text()
+    # each job script's --time: TIME_MARGIN x the wall-clock hours of its row, which its comment quotes
+    for script in job_scripts(REPO / "slurm"):
+        hours = float(tool[script.path.name][10])
+        assert script.planned == (TIME_MARGIN, hours), script.path.name
+        assert script.hours == time_limit_hours(hours), script.path.name

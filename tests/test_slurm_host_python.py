@@ -38,7 +38,7 @@ def _exe(path, text):
 
 
 @pytest.fixture
-def site(tmp_path):
+def site(tmp_path, fm_wds):
     """A fake srun/scontrol on PATH, a ranks' Python that refuses to run outside srun, a host python3 without torch."""
     bin_dir, no_torch = tmp_path / "bin", tmp_path / "no_torch"
     bin_dir.mkdir()
@@ -62,7 +62,8 @@ PYTHONPATH={no_torch}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"
            "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1", "SITE_SCRIPT": str(site_sh),
            "PYTHON": "/opt/image/bin/python", "CONTAINER_PY": str(container_py), "HOST_PYTHON": str(host_py),
            "FAKE_LOG": str(tmp_path / "srun.log"),
-           "RECIPE": "recipes/cpu/demo.yaml", "OVERRIDES": f"run.output_dir={tmp_path / 'run'}"}
+           "RECIPE": "recipes/cpu/demo.yaml", "OVERRIDES": f"run.output_dir={tmp_path / 'run'}",
+           "DATA_DIR": str(fm_wds)}  # checked before srun, inside the check's srun step
     return tmp_path, env
 
 
@@ -90,7 +91,7 @@ def test_checks_run_in_srun_steps_and_the_bookkeeping_without_torch(site, launch
     calls = (tmp_path / "srun.log").read_text().splitlines()
     checks = [c for c in calls if "--ntasks=1" in c]
     assert any("config --recipe recipes/cpu/demo.yaml --get run.output_dir" in c for c in checks), calls
-    assert any("--world-size 2" in c for c in checks), calls
+    assert any("--world-size 2" in c and f"--check-data DATA_DIR={env['DATA_DIR']}" in c for c in checks), calls
     assert all("--container-image=/images/convit.sqsh" in c for c in calls), calls
     if launcher == "torchrun":
         assert any("torch.distributed.run import get_args_parser" in c for c in checks), calls

@@ -26,7 +26,15 @@ def test_options_recipe_and_shape_of_one_script(tmp_path):
     assert s.options == {"job-name": "convit_x", "nodes": "2", "ntasks-per-node": "4", "cpus-per-task": "12",
                          "requeue": "", "signal": "USR1@300"}
     assert (s.nodes, s.tasks_per_node, s.gpus_per_node, s.cpus_per_task) == (2, 4, 4, 12)  # a GPU per task by default
-    assert s.number("time", 60) == 60
+    assert s.number("time", 60) == 60 and s.hours is None and s.planned is None
+    for value, hours in [("8:00:00", 8), ("90", 1.5), ("30:00", 0.5), ("2-12", 60), ("1-2:30", 26.5), ("x", None)]:
+        assert _script(tmp_path, f"#SBATCH --time={value}\n").hours == hours, value
+
+
+def _script(tmp_path, text):
+    path = tmp_path / "t.sh"
+    path.write_text(text)
+    return read_script(path)
 
 
 def test_job_scripts_are_those_that_run_a_recipe_of_their_own(tmp_path):

@@ -217,6 +217,31 @@ def test_a_slurm_job_given_more_ranks_than_canonical_groups_is_refused_before_sr
     assert "== nodes 5, tasks/GPUs per node 8" in res.stdout and not (tmp_path / "run").exists()
 
 
+def test_a_slurm_job_without_its_data_is_refused_before_srun(tmp_path):
+    """``DATA_DIR=<a folder without data> sbatch slurm/convit_b_plus.sh``: the batch shell reads the folder's
+    manifest, as every rank's preflight would, and refuses in one line naming DATA_DIR and what the recipe reads,
+    before the training srun (not in its 32 ranks). An srun on PATH stands guard: it is never reached."""
+    guard = tmp_path / "bin" / "srun"
+    guard.parent.mkdir()
+    guard.write_text(f"#!/bin/sh\necho srun reached >> {tmp_path / 'srun.log'}\nexit 97\n")
+    guard.chmod(0o755)
+    (tmp_path / "site.sh").write_text("")
+    data = tmp_path / "imagenet-ffcv"
+    data.mkdir()
+    env = {**os.environ, "PATH": f"{guard.parent}:{os.environ['PATH']}", "DATA_DIR": str(data),
+           "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1",
+           "SLURM_JOB_NUM_NODES": "4",
+           "SLURM_NTASKS_PER_NODE": "8", "SITE_SCRIPT": str(tmp_path / "site.sh")}
+    res = subprocess.run(["bash", str(REPO / "slurm" / "convit_b_plus.sh")], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=120)
+    assert res.returncode == 2, res
+    assert res.stderr.strip() == (
+        f"error: DATA_DIR={data}: {data}: no manifest.json (not found); convert with `convit-scale prep`, or, for "
+        f"WebDataset shards another tool wrote, give the folder timm's _info.json; expected ffcv data (data.format): "
+        f"a folder that `convit-scale prep ffcv` wrote (manifest.json), or .ffcv/.beton files")
+    assert not (tmp_path / "srun.log").exists() and not (tmp_path / "run").exists()
+
+
 JOB_SCRIPTS = job_scripts(REPO / "slurm")
 
 

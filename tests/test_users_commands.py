@@ -65,6 +65,7 @@ def test_accelerate_launch_as_the_docs_give_it(imagenet_ffcv, tmp_path):
     assert "2 rank(s) on cpu (gloo, launched by accelerate)" in res.stdout
     assert "global batch 512" in res.stdout  # the recipe's, whatever launches it
     assert [r["step"] for r in records(out)] == [1, 2]
+    assert "the paper's Table" not in res.stdout  # another model (SMALL) than the recipe's paper row
 
 
 def next_line(line: str) -> str:

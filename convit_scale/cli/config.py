@@ -38,6 +38,8 @@ def _cmd_config(args) -> int:
         note = shares_note(cfg.data.groups, args.world_size)
         if note:  # a YAML comment above the config (launch.sh prints it in the job's log)
             print(f"# {note}", file=sys.stdout if args.get is None else sys.stderr)
+    if args.check_data is not None:
+        _check_data(cfg, args.check_data)
     if args.get is None:
         print(cfg.to_yaml(), end="")
         return 0
@@ -51,6 +53,19 @@ def _cmd_config(args) -> int:
     return 0
 
 
+def _check_data(cfg, where: str) -> None:
+    """The data the recipe trains on, checked as training's preflight checks it (its manifest); a refusal names
+    ``where`` the paths came from (slurm/launch.sh: DATA_DIR) and what the recipe's data.format reads."""
+    from ..manifest import DataError
+    from ..train.preflight import DATA_FORMS, check_data
+
+    try:
+        check_data(cfg)
+    except DataError as e:
+        fmt = cfg.data.format
+        raise BadInput(f"{where}: {e}; expected {fmt} data (data.format): {DATA_FORMS[fmt]}") from None
+
+
 def register(sub) -> None:
     p = sub.add_parser("config", help="print the resolved config of a recipe",
                        description="Print the resolved config of a recipe: its inheritance and the overrides applied, "
@@ -62,6 +77,10 @@ def register(sub) -> None:
                         "its value there too)")
     p.add_argument("--world-size", type=int_at_least(1), metavar="N",
                    help="refuse the recipe unless N ranks can run it (each rank whole canonical groups), for scripts")
+    p.add_argument("--check-data", metavar="WHERE",
+                   help="refuse the recipe unless its data (data.train_path, data.val_path) read as training reads "
+                        "them (manifest.json); WHERE says where the paths came from, e.g. DATA_DIR=/data/x, for "
+                        "scripts")
     p.add_argument("rest", nargs="*", metavar="override",
                    help="dotted overrides, e.g. optim.base_lr=4e-4 (without --recipe: the recipe first)")
     p.set_defaults(func=_cmd_config)

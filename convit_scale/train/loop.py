@@ -21,7 +21,7 @@ from .checkpoint import save_best, save_checkpoint
 from .debug import checksum, state_digest
 from .memory import peak_memory_mb
 from .progress import Progress
-from .setup import Run, log
+from .setup import Run, log, say_first_bad_sample
 from .signals import EXIT_REQUEUE
 from .state import TrainState
 from .step import StepResult, steps_of_epoch, train_step
@@ -35,6 +35,7 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
     m.steps_since_log += 1
     for record in res.bad_samples:  # every step that has any: one record per replaced sample
         run.metrics.write({"kind": "bad_sample", "step": state.step, "epoch": state.epoch, **record})
+    say_first_bad_sample(run, res.bad_samples)  # and the first on the console
     every = cfg.log.every_steps
     if (every and state.step % every == 0) or res.log_due or state.step == run.total_steps:
         now = time.time()

@@ -41,9 +41,30 @@ def preflight(cfg: Config) -> None:
     every file the manifest lists is there at its recorded size; a remote location answers; ``model.pretrained``
     matches the model key for key (on the meta device); a checkpoint to resume was written by the same model,
     strategy and global batch; the teacher loads; no other training holds the folder's lease (runfolder.py)."""
-    d = cfg.data
     _check_output_dir(cfg.run.output_dir)
     check_lease(Path(cfg.run.output_dir), cfg.fault.hang_timeout_s)  # FolderHeld: another training writes there
+    check_data(cfg)
+    check_log_backends(cfg.log)  # log.tensorboard / log.wandb without their package
+    refused = jpeg_roi.refusal(cfg.data.format, cfg.data.decode_on, cfg.data.whole_jpeg_decode)
+    if refused:
+        raise BadInput(refused)
+    if cfg.model.pretrained:
+        _check_pretrained(cfg.model)
+    _check_resume(cfg)
+    if cfg.distill.enabled:
+        build_teacher(cfg)
+
+
+DATA_FORMS = {"ffcv": "a folder that `convit-scale prep ffcv` wrote (manifest.json), or .ffcv/.beton files",
+              "wds": "a folder that `convit-scale prep wds` wrote (manifest.json), or shards with timm's _info.json",
+              "imagefolder": "an ImageFolder root with train/ and val/ folders of class folders"}
+"""What each data.format reads, as refusals name it."""
+
+
+def check_data(cfg: Config) -> None:
+    """The data part of :func:`preflight` (also ``config --check-data``, slurm/launch.sh's check before srun): the
+    train and val locations exist, and their manifest (or listing) fits the recipe."""
+    d = cfg.data
     for key in ("train_path", "val_path"):
         loc = getattr(d, key)
         if key == "train_path" and not loc:
@@ -53,15 +74,6 @@ def preflight(cfg: Config) -> None:
     for split, key in (("train", "train_path"), ("val", "val_path")):
         if getattr(d, key):
             _check_data(cfg, split, key, getattr(d, key))
-    check_log_backends(cfg.log)  # log.tensorboard / log.wandb without their package
-    refused = jpeg_roi.refusal(d.format, d.decode_on, d.whole_jpeg_decode)
-    if refused:
-        raise BadInput(refused)
-    if cfg.model.pretrained:
-        _check_pretrained(cfg.model)
-    _check_resume(cfg)
-    if cfg.distill.enabled:
-        build_teacher(cfg)
 
 
 def _check_output_dir(output_dir: str) -> None:

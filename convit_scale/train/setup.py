@@ -67,6 +67,8 @@ class Run:
     device_bad: dict = field(default_factory=dict)
     """Epoch -> the views no decoder read in the training device's decode (every rank's), against
     data.max_bad_samples (the loaders count their own)."""
+    said: set = field(default_factory=set)
+    """What the run's console has said once (``say_once``)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -203,6 +205,8 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
         state = TrainState.from_meta(meta, accum, ctx.world_size)
         log(ctx, f"resumed from {ckpt} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch}; "
                  f"{why}): resumed step {state.step} from {meta['world_size']} rank(s) on {ctx.world_size}")
+    elif cfg.model.pretrained:  # a resumed run's weights are its checkpoint's
+        log(ctx, f"model.pretrained: {cfg.model.name} starts from the weights of {cfg.model.pretrained}")
     on_device = train_loader.spec.augment_on_device
     run = Run(cfg, ctx, out, micro, accum, lr, steps_per_epoch, total_steps, train_loader, val_loader, strategy,
               criterion, _mixup(cfg),
@@ -228,3 +232,16 @@ def log(ctx: DistContext, msg: str) -> None:
     """One line of the run's log, on rank 0."""
     if ctx.is_main:
         print(f"[convit-scale] {msg}", flush=True)
+
+
+def say_first_bad_sample(run: Run, bad_samples: list) -> None:
+    """One console line, the first time in this start of the run, for a training sample the loaders replaced
+    (unreadable or undecodable); every one of them is a ``bad_sample`` record of metrics.jsonl."""
+    if not bad_samples or "bad_sample" in run.said:
+        return
+    run.said.add("bad_sample")
+    first = bad_samples[0]
+    where = first.get("shard") or first.get("file") or "?"
+    log(run.ctx, f"a training sample was replaced by another of its batch: {where}, key {first.get('key')} "
+                 f"({first.get('reason')}); said once: every replaced sample is a bad_sample record in "
+                 f"metrics.jsonl, at most data.max_bad_samples = {run.cfg.data.max_bad_samples} per epoch and rank")
