@@ -151,6 +151,14 @@ def load_rgb_jpeg(path: str, quality: int = 95) -> tuple[bytes | None, str | Non
     return rgb_jpeg(Path(path).read_bytes(), quality)
 
 
+def undecodable(e: BaseException) -> str:
+    """A skip reason from PIL's error. Its ``UnidentifiedImageError`` names the in-memory buffer it was given
+    (``<_io.BytesIO object at 0x...>``), which says nothing: the reason says what the loaders' says (the caller names
+    the file or member)."""
+    text = "cannot identify image data" if isinstance(e, UnidentifiedImageError) else str(e)
+    return f"undecodable: {type(e).__name__}: {text}".replace("\n", " ")
+
+
 def rgb_jpeg(data: bytes, quality: int = 95) -> tuple[bytes | None, str | None, bool]:
     """``load_rgb_jpeg`` of an image's bytes (from a file, a tar member or a Parquet cell)."""
     if not data:
@@ -162,7 +170,7 @@ def rgb_jpeg(data: bytes, quality: int = 95) -> tuple[bytes | None, str | None, 
                 return data, None, False
             rgb = img.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        return None, f"undecodable: {type(e).__name__}: {e}", False
+        return None, undecodable(e), False
     buf = io.BytesIO()
     rgb.save(buf, format="JPEG", quality=quality)
     return buf.getvalue(), None, True

@@ -16,7 +16,8 @@ WebDataset shards in timm's layout (``KEY.jpg`` and ``KEY.cls`` samples, and ``_
 files and shard lengths, as timm's ImageNet shards are published) are read in place: a folder with ``_info.json``
 and no ``manifest.json`` gives a manifest of its own (the shards and their lengths; no class names, no per-class
 counts, which such a folder does not record; ``validation`` serves as ``val``). ``prep wds`` writes ``_info.json``
-beside its manifest, so that timm's WebDataset reader takes its shards as they are.
+beside its manifest, so that timm's WebDataset reader takes its shards as they are (the val split named
+``validation`` there, timm's default).
 
 FFCV files another tool wrote (ffcv-imagenet's ``write_imagenet.py``: ``DatasetWriter`` with an ``RGBImageField``
 and an ``IntField``) are read in place too: a ``.ffcv``/``.beton`` path, or a folder of them without
@@ -55,6 +56,9 @@ FORMATS = ("ffcv", "wds")
 """The formats ``convit-scale prep`` writes."""
 SPLIT_ALIASES = {"val": ("validation",)}
 """Other names of a split in other tools' layouts (timm's ImageNet shards name it ``validation``)."""
+TIMM_SPLITS = {"val": "validation"}
+"""timm's names of our splits, in the ``_info.json`` that ``prep wds`` writes (read back through ``SPLIT_ALIASES``;
+the manifest keeps ``val``)."""
 
 
 def split_in_name(name: str) -> str | None:
@@ -168,9 +172,12 @@ class Manifest:
                         f"{name}/ (it has: {', '.join(sorted(self.splits)) or 'none'})")
 
     def timm_info(self, name: str) -> dict:
-        """timm's ``_info.json`` for these WebDataset shards: each split's files and shard lengths."""
+        """timm's ``_info.json`` for these WebDataset shards: each split's files and shard lengths, under timm's name
+        for it (``TIMM_SPLITS``: ``val`` as ``validation``, what timm's ``train.py --val-split`` and
+        ``create_dataset`` read by default)."""
+        splits = {TIMM_SPLITS.get(k, k): s for k, s in self.splits.items()}
         return {"name": name, "splits": {k: {"name": k, "num_samples": s.num_samples, "filenames": [f for f, _ in
-                s.shards()], "shard_lengths": [n for _, n in s.shards()]} for k, s in self.splits.items()}}
+                s.shards()], "shard_lengths": [n for _, n in s.shards()]} for k, s in splits.items()}}
 
     @classmethod
     def from_timm_info(cls, info: dict, location: str) -> "Manifest":

@@ -21,6 +21,7 @@ from .config import ModelConfig, model_options
 from .errors import BadInput
 from .files import atomic_path
 from .models import MODELS, create_model, load_pretrained, read_state_dict
+from .models.weights import timm_state_dict
 from .runfolder import BEST, LATEST, PREFIX, checkpoint_problems, complete_checkpoints
 
 __all__ = ["BEST", "LATEST", "PREFIX", "complete_checkpoints", "latest_checkpoint", "run_checkpoint", "consolidate",
@@ -121,7 +122,8 @@ def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def export(checkpoint_dir: Path, out: Path) -> Path:
-    """Write ``out`` (.safetensors) with the model weights and the run's model config as metadata.
+    """Write ``out`` (.safetensors) with the model weights in timm's layout (:func:`timm_state_dict`: they load
+    strictly into timm's ``convit_*``/``deit_*``) and the run's model config as metadata.
 
     Refused before any work: another suffix (``eval`` reads a file by its suffix) or an existing folder. On
     failure nothing is left behind: no temporary file, no folder this call created."""
@@ -133,7 +135,7 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
         raise BadInput(f"export --out {out}: export writes safetensors; allowed: a file name ending in .safetensors")
     if out.is_dir():
         raise BadInput(f"export --out {out} is an existing folder; allowed: a file name ending in .safetensors")
-    state = consolidate(checkpoint_dir)
+    state = timm_state_dict(consolidate(checkpoint_dir))
     meta = json.loads((checkpoint_dir / "meta.json").read_text())
     created = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder made here
     try:

@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from convit_scale.files import write_json_atomic
-from convit_scale.imagetree import Sample
+from convit_scale.imagetree import Sample, undecodable
 from convit_scale.jpeg import decode_rgb_array
 
 from .options import PrepOptions
@@ -67,7 +67,7 @@ def _check_one_ffcv(sample: tuple[str, int, int | None]) -> tuple[str, int, str 
             pixels = np.asarray(img.convert("RGB"))
             is_jpeg = img.format == "JPEG" and img.mode in ("RGB", "L")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        return path, label, f"undecodable: {type(e).__name__}: {e}", None
+        return path, label, undecodable(e), None
     ours = decode_rgb_array(data, *pixels.shape[:2]) if is_jpeg else None
     return path, label, None, KEPT if ours is not None and np.array_equal(ours, pixels) else RAW
 

@@ -5,8 +5,10 @@ them (the check phase decided which)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ from convit_scale.ffcv_threads import importing_ffcv
 from convit_scale.files import atomic_path, write_json_atomic
 from convit_scale.imagetree import PrepError, Sample
 
-from .checks import KEPT, RAW, class_counts, sha256_file
+from .checks import KEPT, RAW, class_counts, progress_bar, sha256_file
 from .options import PrepOptions
 from .sources import load_rgb_jpeg, read_bytes
 
@@ -102,6 +104,33 @@ def beton_name(split: str, opts: PrepOptions) -> str:
     return f"{split}_{side}_{opts.write_mode}_q{opts.jpeg_quality}_f{opts.subset_fraction:g}.beton"
 
 
+@contextlib.contextmanager
+def _rich_progress(split: str):
+    """ffcv's ``DatasetWriter`` draws its own tqdm bar (``ffcv.writer.tqdm``: ``update(n)``, ``close()``, its only
+    report of progress); while it writes, that bar is prep's rich one (``progress_bar``), one style in a run."""
+    import ffcv.writer as ffcv_writer
+
+    with progress_bar() as progress:
+        t0 = time.time()
+
+        class Bar:
+            def __init__(self, total: int):
+                self.task, self.done = progress.add_task(f"ffcv {split}", total=total, rate=""), 0
+
+            def update(self, n: int) -> None:
+                self.done += n
+                progress.update(self.task, advance=n, rate=f"{self.done / max(time.time() - t0, 1e-9):.0f}")
+
+            def close(self) -> None:
+                pass
+
+        saved, ffcv_writer.tqdm = ffcv_writer.tqdm, Bar
+        try:
+            yield
+        finally:
+            ffcv_writer.tqdm = saved
+
+
 def write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, key: str,
                 storage: dict[str, str]) -> dict[str, dict]:
     with importing_ffcv():
@@ -116,7 +145,7 @@ def write_ffcv(samples: list[Sample], out: Path, split: str, opts: PrepOptions, 
     if state.get("key") == key and name in state.get("done", {}) and final.is_file():
         return {name: {"samples": len(samples), "sha256": state["done"][name], "per_class": per_class}}
     print(f"ffcv {split}: writing {len(samples)} images to {final}")
-    with atomic_path(final) as tmp:
+    with atomic_path(final) as tmp, _rich_progress(split):
         writer = DatasetWriter(str(tmp), {"image": _image_field(opts), "label": IntField()}, num_workers=opts.workers)
         writer.from_indexed_dataset(_KeptDataset(samples, storage, opts) if opts.write_mode == "keep"
                                     else _RGBDataset(samples))

@@ -25,7 +25,7 @@ from convit_scale.manifest import MANIFEST, TIMM_INFO, Manifest, Split
 from .checks import KEPT, RAW, RESIZED, check_images, class_counts
 from .ffcv_writer import write_ffcv
 from .options import PrepOptions, check_options
-from .sources import ORDERED, TREE, list_source, source_kind
+from .sources import ORDERED, TREE, describe, list_source, source_kind
 from .wds_writer import write_wds
 
 OWNER = ".prep.json"
@@ -148,7 +148,7 @@ def _convert_split(src: Path, out: Path, split: str, samples: list[Sample], prob
     valid, skipped, storage = check_images(samples, out, split, opts, key)
     skipped = problems + skipped
     for s in skipped:
-        print(f"skipped {s['path']}: {s['reason']}")
+        print(f"skipped {describe(s['path'])}: {s['reason']}")
     if skipped and opts.strict:
         raise PrepError(f"{len(skipped)} unreadable or unlabelled input(s) in {src / split} under --strict; "
                         f"first: {skipped[0]['path']}: {skipped[0]['reason']}")

@@ -63,6 +63,26 @@ def read_bytes(ref: str) -> bytes:
     return Path(ref).read_bytes()
 
 
+def describe(ref: str) -> str:
+    """A sample reference as a person finds it: a file's path, a shard's member (its tar header, the block before its
+    bytes), a Parquet file's row and column."""
+    if ref.startswith("tar:"):
+        path, _, span = ref[4:].rpartition("#")
+        offset = int(span.partition("+")[0])
+        try:
+            f = _open_shard(path)
+            f.seek(offset - tarfile.BLOCKSIZE)
+            name = tarfile.TarInfo.frombuf(f.read(tarfile.BLOCKSIZE), "utf-8", "surrogateescape").name
+        except (OSError, tarfile.TarError, ValueError):
+            name = f"at byte {offset}"
+        return f"{path} member {name}"
+    if ref.startswith("parquet:"):
+        path, _, cell = ref[8:].rpartition("#")
+        row, _, column = cell.partition("/")
+        return f"{path} row {row} column {column}"
+    return ref
+
+
 def load_rgb_jpeg(ref: str) -> tuple[bytes | None, str | None, bool]:
     """``imagetree.load_rgb_jpeg`` of any source's sample: (JPEG bytes of an RGB image, skip reason, converted?)."""
     return rgb_jpeg(read_bytes(ref))

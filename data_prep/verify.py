@@ -2,28 +2,64 @@
 counts, label range), and with a source tree, the manifest checked against the tree. FFCV files and WebDataset
 shards another tool wrote are checked the same way, against what their own description records: shards indexed
 where they lie (``prep index``) are read from there, remote ones (a URL template) streamed as the loaders stream
-them; FFCV fields named otherwise are named with ``ffcv_fields`` (``--ffcv-fields``, as ``data.ffcv_fields``)."""
+them; FFCV fields named otherwise are named with ``ffcv_fields`` (``--ffcv-fields``, as ``data.ffcv_fields``).
+Shards with no manifest (timm's ``_info.json`` alone) have no checksum that vouches for their images, which were
+never decoded on the way in: a sample of each split's images (``DECODE_SAMPLE``) is decoded, as timm's reader
+decodes it (PIL), and each that fails is named."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import tarfile
 from pathlib import Path
 
-from convit_scale.imagetree import list_classes, scan_split, subsample
-from convit_scale.manifest import FFCV_FIELDS, TIMM_INFO, DataError, Manifest, described, read_ffcv_labels, read_label
+from convit_scale.imagetree import list_classes, rgb_jpeg, scan_split, subsample
+from convit_scale.manifest import (
+    FFCV_FIELDS,
+    MANIFEST,
+    TIMM_INFO,
+    DataError,
+    Manifest,
+    described,
+    read_ffcv_labels,
+    read_label,
+)
 from convit_scale.streams import CommandStream, open_stream, shard_url
 
 from .checks import class_counts, sha256_file
 
+DECODE_SAMPLE = 1000
+"""Images decoded per split of shards without a manifest, evenly spaced (all of a smaller split): a bound on the
+time this adds, whatever the split's size."""
+
+
+class _DecodeSample:
+    """Decodes every ``stride``-th image of a split's shards (``DECODE_SAMPLE`` of them) and names those that fail."""
+
+    def __init__(self, num_samples: int):
+        self.stride = max(1, math.ceil(num_samples / DECODE_SAMPLE))
+        self.seen, self.decoded, self.failed = 0, 0, []
+
+    def __call__(self, where, member: str, payload: bytes) -> None:
+        self.seen += 1
+        if (self.seen - 1) % self.stride:
+            return
+        self.decoded += 1
+        _, reason, _ = rgb_jpeg(payload)
+        if reason is not None:
+            self.failed.append(f"{where}: member {member} does not decode ({reason})")
+
 
 def verify(out: str | Path, src: str | Path | None = None, ffcv_fields: tuple[str, str] = FFCV_FIELDS,
-           notes: list[str] | None = None) -> list[str]:
+           notes: list[str] | None = None, checked: list[str] | None = None) -> list[str]:
     """Re-read every output file of ``out`` and check it against the manifest; with ``src``, also check the
     manifest against that source tree (:func:`check_source`). ``ffcv_fields``: the image and label fields of FFCV
-    files read in place. Returns the problems found; what was not checked, and why, is appended to ``notes``."""
+    files read in place. Returns the problems found; what was not checked, and why, is appended to ``notes``, and
+    what was checked (against the manifest, or without one: against what, and the images decoded) to ``checked``."""
     out = Path(out)
     notes = [] if notes is None else notes
+    checked = [] if checked is None else checked
     if not described(str(out)):
         return [f"{out}: no manifest.json (nor timm's _info.json, nor FFCV files); allowed: a `convit-scale prep` "
                 f"output, or data another tool wrote that the loaders read in place"]
@@ -36,40 +72,60 @@ def verify(out: str | Path, src: str | Path | None = None, ffcv_fields: tuple[st
     if remote and manifest.format == "ffcv":
         return [f"{out}: FFCV files at a URL template ({location}); allowed: FFCV files in a local folder"]
     problems = []
-    n_classes = manifest.num_classes
-    if not n_classes:
+    if not manifest.num_classes:
         notes.append(f"{out}: the class count is unknown (no class names or per-class counts, as in timm's "
                      f"{TIMM_INFO}): labels checked to be >= 0 only; `convit-scale prep index` counts the classes")
+    own = remote or (out / MANIFEST).is_file()
+    samples = decoded = 0
     for split, info in manifest.splits.items():
+        decode = None if own or manifest.format != "wds" else _DecodeSample(info.num_samples)
         counts: dict[str, int] = {}
         for name, rec in info.files.items():
             where = shard_url(location, name) if remote else manifest.folder / name
-            if not remote and not where.is_file():
-                problems.append(f"{where}: missing")
-                continue
-            try:
-                if remote:
-                    labels, digest = _read_remote(where, manifest.label_member)
-                else:
-                    labels, digest = _read_labels(where, manifest.format, manifest.label_member, ffcv_fields), None
-            except Exception as e:  # a truncated tar or beton, a failed command, is reported, not raised
-                if not remote and "sha256" in rec and sha256_file(where) != rec["sha256"]:
-                    problems.append(f"{where}: checksum differs from the manifest (corrupt or changed)")
-                problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
-                continue
-            if "sha256" in rec and (digest or sha256_file(where)) != rec["sha256"]:
-                problems.append(f"{where}: checksum differs from the manifest (corrupt or changed)")
-            if len(labels) != rec["samples"]:
-                problems.append(f"{where}: {len(labels)} samples, manifest says {rec['samples']}")
-            if n_classes and any(not 0 <= label < n_classes for label in labels):
-                problems.append(f"{where}: labels outside 0..{n_classes - 1}")
-            elif not n_classes and any(label < 0 for label in labels):
-                problems.append(f"{where}: negative labels (the class count is unknown; allowed: labels >= 0)")
+            labels = _check_file(manifest, where, rec, remote, ffcv_fields, problems, decode)
             for k, v in class_counts(labels).items():
                 counts[k] = counts.get(k, 0) + v
         if info.per_class and counts != info.per_class and not any(split in p for p in problems):
             problems.append(f"{split}: samples per class differ from the manifest")
+        if decode is not None:
+            problems += decode.failed
+            samples, decoded = samples + info.num_samples, decoded + decode.decoded
+    if own:
+        checked.append("every file matches the manifest")
+    elif manifest.format == "wds":
+        checked.append(f"no {MANIFEST}: every shard read against timm's {TIMM_INFO} (samples, labels); {decoded} of "
+                       f"{samples} images decoded" + (" (a sample)" if decoded < samples else ""))
+    else:
+        checked.append(f"no {MANIFEST}: every FFCV file's label column read (samples, labels); no image decoded")
     return problems + (check_source(manifest, Path(src)) if src is not None else [])
+
+
+def _check_file(manifest: Manifest, where, rec: dict, remote: bool, ffcv_fields: tuple[str, str],
+                problems: list[str], decode: _DecodeSample | None = None) -> list[int]:
+    """The labels of one output file, its problems against the manifest appended to ``problems``."""
+    n_classes = manifest.num_classes
+    if not remote and not where.is_file():
+        problems.append(f"{where}: missing")
+        return []
+    try:
+        if remote:
+            labels, digest = _read_remote(where, manifest.label_member)
+        else:
+            labels, digest = _read_labels(where, manifest.format, manifest.label_member, ffcv_fields, decode), None
+    except Exception as e:  # a truncated tar or beton, a failed command, is reported, not raised
+        if not remote and "sha256" in rec and sha256_file(where) != rec["sha256"]:
+            problems.append(f"{where}: checksum differs from the manifest (corrupt or changed)")
+        problems.append(f"{where}: unreadable ({type(e).__name__}: {e})")
+        return []
+    if "sha256" in rec and (digest or sha256_file(where)) != rec["sha256"]:
+        problems.append(f"{where}: checksum differs from the manifest (corrupt or changed)")
+    if len(labels) != rec["samples"]:
+        problems.append(f"{where}: {len(labels)} samples, manifest says {rec['samples']}")
+    if n_classes and any(not 0 <= label < n_classes for label in labels):
+        problems.append(f"{where}: labels outside 0..{n_classes - 1}")
+    elif not n_classes and any(label < 0 for label in labels):
+        problems.append(f"{where}: negative labels (the class count is unknown; allowed: labels >= 0)")
+    return labels
 
 
 def check_source(manifest: Manifest, src: Path) -> list[str]:
@@ -106,16 +162,18 @@ def _opt_path(value: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-def _read_labels(path: Path, fmt: str, label: str = "cls", ffcv_fields: tuple[str, str] = FFCV_FIELDS) -> list[int]:
+def _read_labels(path: Path, fmt: str, label: str = "cls", ffcv_fields: tuple[str, str] = FFCV_FIELDS,
+                 decode: _DecodeSample | None = None) -> list[int]:
     if fmt == "ffcv":
         return read_ffcv_labels(path, ffcv_fields).tolist()
     with tarfile.open(path, "r") as tar:
-        return _tar_labels(tar, label)
+        return _tar_labels(tar, label, decode=None if decode is None else
+                           lambda member, payload: decode(path, member, payload))
 
 
-def _tar_labels(tar: tarfile.TarFile, label: str) -> list[int]:
+def _tar_labels(tar: tarfile.TarFile, label: str, decode=None) -> list[int]:
     """The label of each sample of an open tar (each label member's), every image member read through: a truncated
-    member raises."""
+    member raises; ``decode(member name, bytes)`` is given each image."""
     labels, ext = [], "." + label.partition(":")[0]
     for member in tar:
         if member.name.endswith(ext):
@@ -124,6 +182,8 @@ def _tar_labels(tar: tarfile.TarFile, label: str) -> list[int]:
             payload = tar.extractfile(member).read()
             if len(payload) != member.size:
                 raise tarfile.ReadError(f"member {member.name} truncated")
+            if decode is not None:
+                decode(member.name, payload)
     return labels
 
 

@@ -132,23 +132,29 @@ def test_train_resume_evaluate_and_analyse_timm_shards_without_prep(timm_shards,
     assert json.loads((tmp_path / "a" / "analysis.json").read_text())["images"] == 40
 
 
-def test_prep_wds_shards_are_read_by_timms_own_reader(fm_wds):
+def test_prep_wds_shards_are_read_by_timms_own_reader(fm_wds, tmp_path):
     """`prep wds` writes timm's _info.json beside its manifest: timm's WebDataset reader (what `train.py --dataset
-    wds/...` uses) reads the shards, every sample once with its label."""
+    wds/...` uses) reads the shards, every sample once with its label, the val split under timm's default name
+    (`validation`: train.py's --val-split, create_dataset's split) while the manifest keeps `val`."""
     from PIL import Image
-    from timm.data.readers.reader_wds import ReaderWds
+    from timm.data import create_dataset
 
     manifest = Manifest.read(fm_wds)
-    for split in ("train", "val"):
-        reader = ReaderWds(str(fm_wds), split=split, is_training=False)
-        assert len(reader) == manifest.split(split).num_samples
+    for ours, kwargs in (("train", {"split": "train"}), ("val", {})):  # {}: timm's default split
+        dataset = create_dataset("wds/fm", root=str(fm_wds), is_training=False, **kwargs)
+        assert len(dataset) == manifest.split(ours).num_samples
         labels = {}
-        for img, target in reader:
+        for img, target in dataset:
             assert isinstance(img, Image.Image)
             labels[target] = labels.get(target, 0) + 1
-        assert {str(k): v for k, v in labels.items()} == manifest.split(split).per_class
-    assert json.loads((fm_wds / "_info.json").read_text())["splits"]["train"]["filenames"] == [
-        f for f, _ in manifest.split("train").shards()]
+        assert {str(k): v for k, v in labels.items()} == manifest.split(ours).per_class
+    info = json.loads((fm_wds / "_info.json").read_text())
+    assert sorted(info["splits"]) == ["train", "validation"] and sorted(manifest.splits) == ["train", "val"]
+    assert info["splits"]["train"]["filenames"] == [f for f, _ in manifest.split("train").shards()]
+    alone = tmp_path / "info_alone"  # described by the _info.json alone: `validation` read back as our val
+    alone.mkdir()
+    (alone / "_info.json").write_text(json.dumps(info))
+    assert Manifest.read(alone).split("val").shards() == manifest.split("val").shards()
 
 
 def _write_ffcv_imagenet(root, split: str, tree, fields=("image", "label"), extra: bool = False):

@@ -35,7 +35,7 @@ def test_beton_is_named_by_its_parameters():
                                          subset_fraction=0.5)) == "val_256_jpg_q95_f0.5.beton"
 
 
-def test_kept_raw_and_resized_images_are_stored_as_decided_with_their_labels(tmp_path):
+def test_kept_raw_and_resized_images_are_stored_as_decided_with_their_labels(tmp_path, capfd):
     pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
     files = {"rgb.JPEG": ("JPEG", (30, 40)), "png.JPEG": ("PNG", (30, 40)), "big.JPEG": ("JPEG", (60, 80))}
     samples = []
@@ -48,6 +48,8 @@ def test_kept_raw_and_resized_images_are_stored_as_decided_with_their_labels(tmp
     opts = PrepOptions(fmt="ffcv", max_resolution=40, workers=1)
     files_written = write_ffcv(samples, out, "train", opts, "k", storage)
     (name,) = files_written
+    shown = capfd.readouterr()
+    assert "it/s]" not in shown.err + shown.out and "ffcv train" in shown.out  # rich's bar alone, not ffcv's tqdm
     assert name == beton_name("train", opts) and files_written[name]["samples"] == 3
     assert files_written[name]["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
     kept, raw, resized = _read_back(out / name)

@@ -231,3 +231,23 @@ def test_an_interrupted_parquet_conversion_resumes_without_redoing_what_it_finis
             for rec in split["splits"]["val"]["files"].values():
                 rec.pop("sha256"), rec.pop("bytes", None)
     assert again["splits"] == first["splits"]  # the same files (wds: the same sha256)
+
+
+def test_a_skipped_samples_reference_is_named_by_its_shard_member(tmp_path):
+    """prep's console names a shard's sample by its member (it printed tar:PATH#OFFSET+SIZE references)."""
+    import io
+    import tarfile as tarmod
+
+    from data_prep.sources import describe
+
+    shard = tmp_path / "s.tar"
+    with tarmod.open(shard, "w") as tar:
+        for name in ("000000001.jpg", "000000001.cls"):
+            info = tarmod.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    with tarmod.open(shard) as tar:
+        member = tar.getmember("000000001.jpg")
+    assert describe(f"tar:{shard}#{member.offset_data:015d}+3") == f"{shard} member 000000001.jpg"
+    assert describe("parquet:/d/x.parquet#7/image") == "/d/x.parquet row 7 column image"
+    assert describe("/d/train/a/1.JPEG") == "/d/train/a/1.JPEG"

@@ -66,8 +66,45 @@ def test_verify_timm_layout_shards_whose_class_count_is_unknown(timm_shards, cap
     assert verify(timm_shards, notes=notes) == []
     assert len(notes) == 1 and "class count is unknown" in notes[0] and "labels checked to be >= 0 only" in notes[0]
     assert main(["prep", "verify", str(timm_shards)]) == 0
-    err = capsys.readouterr().err
-    assert "note:" in err and "class count is unknown" in err and "error:" not in err
+    captured = capsys.readouterr()
+    assert "note:" in captured.err and "class count is unknown" in captured.err and "error:" not in captured.err
+    n = sum(s["num_samples"] for s in json.loads((timm_shards / "_info.json").read_text())["splits"].values())
+    assert captured.out.strip() == (f"verified {timm_shards}: no manifest.json: every shard read against timm's "
+                                    f"_info.json (samples, labels); {n} of {n} images decoded")
+
+
+def test_verify_without_a_manifest_decodes_the_images_and_names_those_that_fail(fm_tree, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Shards described by timm's _info.json alone, two JPEGs in them that do not decode: verify decodes the images
+    and names each failure by shard and member (it said 'every file matches the manifest', with no manifest)."""
+    import sys
+
+    import webdataset as wds
+
+    verify_module = sys.modules["data_prep.verify"]  # the module (the package's `verify` is its function)
+    good = sorted((fm_tree / "val").glob("*/*.JPEG"))[:4]
+    payloads = [p.read_bytes() for p in good] + [good[0].read_bytes()[:300], b"not an image"]
+    root = tmp_path / "corrupt"
+    root.mkdir()
+    with wds.TarWriter(str(root / "imagenet1k-validation-0000.tar")) as sink:
+        for i, data in enumerate(payloads):
+            sink.write({"__key__": f"v{i}", "jpg": data, "cls": 0})
+    (root / "_info.json").write_text(json.dumps({"splits": {"validation": {
+        "name": "validation", "num_samples": 6, "filenames": ["imagenet1k-validation-0000.tar"],
+        "shard_lengths": [6]}}}))
+    assert main(["prep", "verify", str(root)]) == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("imagenet1k-validation-0000.tar: member" in e for e in errors), errors
+    assert "member v4.jpg does not decode (undecodable: OSError" in errors[0]
+    assert "member v5.jpg does not decode (undecodable:" in errors[1] and "BytesIO" not in errors[1]
+    assert captured.out.strip() == (f"{root}: 2 problem(s) (no manifest.json: every shard read against timm's "
+                                    f"_info.json (samples, labels); 6 of 6 images decoded)")
+    monkeypatch.setattr(verify_module, "DECODE_SAMPLE", 3)  # every other image: v0, v2, v4
+    checked = []
+    problems = verify_module.verify(root, checked=checked)
+    assert [p.split(": member ")[1].split()[0] for p in problems] == ["v4.jpg"]
+    assert checked[0].endswith("3 of 6 images decoded (a sample)")
 
 
 def test_num_classes_of_shards_whose_class_count_is_unknown_names_prep_index(timm_shards):

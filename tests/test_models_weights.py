@@ -1,5 +1,6 @@
 """Published weights into the models (convit_scale/models/weights.py): timm's and the official release's state
-dicts, safetensors, a mismatch refused as a whole, pickled code never run, another resolution."""
+dicts, safetensors, a mismatch refused as a whole, pickled code never run, another resolution; and ours written in
+timm's layout (what ``export`` writes), read back by both."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from convit_scale import create_model
 from convit_scale.errors import BadInput
 from convit_scale.models import WeightsMismatch, load_pretrained
+from convit_scale.models.weights import timm_state_dict
 
 
 @pytest.mark.parametrize("timm_name,ours,token", [
@@ -25,6 +27,28 @@ def test_loads_timm_state_dict_and_matches_logits(timm_name, ours, token):
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         assert (ref(x) - model(x)).abs().max().item() < 1e-4
+
+
+NANO = dict(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=4, num_classes=10)  # our *_nano
+
+
+@pytest.mark.parametrize("timm_name,ours,token,extra", [
+    ("deit_tiny_patch16_224", "deit_nano", False, {}),
+    ("deit_tiny_distilled_patch16_224", "deit_nano", True, {}),
+    ("convit_tiny", "convit_nano", False, {"local_up_to_layer": 2, "embed_dim": 8}),  # timm's: per head
+])
+def test_our_weights_in_timms_layout_load_strictly_into_timm_and_back(timm_name, ours, token, extra):
+    torch.manual_seed(0)
+    model = create_model(ours, num_classes=10, distill_token=token).eval()
+    sd = timm_state_dict(model.state_dict())
+    ref = timm.create_model(timm_name, pretrained=False, **{**NANO, **extra}).eval()
+    ref.load_state_dict(sd, strict=True)  # a DeiT's pos_embed has its tokens' rows: 16 patches + 1 or 2
+    assert sd["pos_embed"].shape[1] == 16 + (0 if extra else 1 + token)
+    back = load_pretrained(create_model(ours, num_classes=10, distill_token=token), sd).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert (ref(x) - model(x)).abs().max().item() < 1e-5
+        assert torch.equal(back(x), model(x))
 
 
 def test_load_from_files_official_wrapper_and_safetensors(tmp_path):

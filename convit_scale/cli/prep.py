@@ -42,13 +42,15 @@ def _cmd_verify(args) -> int:
     if "://" not in args.dir and not Path(args.dir).is_dir():  # bad input (exit 2), not a problem found in the data
         raise FileNotFoundError(f"prep verify {args.dir}: no such folder; allowed: a folder `convit-scale prep` wrote")
     notes: list[str] = []
-    problems = verify(args.dir, src=args.src, ffcv_fields=args.ffcv_fields, notes=notes)
+    checked: list[str] = []
+    problems = verify(args.dir, src=args.src, ffcv_fields=args.ffcv_fields, notes=notes, checked=checked)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
-    checked = "every file matches the manifest" + (f", and the manifest matches {args.src}" if args.src else "")
-    print(f"verified {args.dir}: {checked}" if not problems else f"{args.dir}: {len(problems)} problem(s)")
+    what = "; ".join(checked) + (f", and the manifest matches {args.src}" if args.src else "")
+    print(f"verified {args.dir}: {what}" if not problems else
+          f"{args.dir}: {len(problems)} problem(s)" + (f" ({'; '.join(checked)})" if checked else ""))
     return 1 if problems else 0
 
 

@@ -1,4 +1,5 @@
-"""Loading published weights: the official ConViT checkpoints and timm's convit_* / deit_* state dicts.
+"""Loading published weights: the official ConViT checkpoints and timm's convit_* / deit_* state dicts; and
+writing ours in timm's layout (``export``), so that both ways go through one rule (:func:`_positioned_tokens`).
 
 Files are read without executing pickled code (``torch.load(weights_only=True)`` or safetensors).
 A state dict that does not match the model key for key is refused with the list of keys; nothing is
@@ -78,24 +79,44 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], model: ConViT) -> di
     sd = {k: v for k, v in sd.items() if not k.endswith("attn.rel_indices")}  # derived, rebuilt here
     pos = sd.get("pos_embed")
     if pos is not None:
-        n_pos = pos.shape[1]
+        tokens = _positioned_tokens(sd)
         # How many leading positions belong to class/distillation tokens: the rest is a square grid.
-        n_prefix = next(c for c in ((2, 0) if "dist_token" in sd else (1, 0)) if _is_square(n_pos - c))
+        n_prefix = next(c for c in (len(tokens), 0) if _is_square(pos.shape[1] - c))
         if n_prefix:
             if model.local_up_to_layer != 0:
                 raise WeightsMismatch(
                     "position embedding covers class tokens (a DeiT checkpoint), but the model has "
                     f"{model.local_up_to_layer} GPSA layers: load it into a deit_* model"
                 )
-            sd["cls_token"] = sd["cls_token"] + pos[:, :1]
-            if n_prefix == 2:
-                sd["dist_token"] = sd["dist_token"] + pos[:, 1:2]
+            for i, name in enumerate(tokens):
+                sd[name] = sd[name] + pos[:, i : i + 1]
             pos = pos[:, n_prefix:]
         grid = model.grid_size
         if pos.shape[1] != grid * grid:
             pos = resample_abs_pos_embed(pos, new_size=[grid, grid], num_prefix_tokens=0)
         sd["pos_embed"] = pos
     return sd
+
+
+def _positioned_tokens(sd: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The tokens to which timm's DeiT (``VisionTransformer``, ``VisionTransformerDistilled``) gives a position
+    row, in the order of those rows (its ``pos_embed`` is (1, tokens + grid, D)); ours are position-free, which
+    is the same model since a DeiT's tokens join before block 0 (timm's ConViT, like ours, has none)."""
+    return ("cls_token", "dist_token") if "dist_token" in sd else ("cls_token",)
+
+
+def timm_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict in the layout timm builds for the same model: the inverse of :func:`convert_state_dict`.
+
+    A ConViT's keys are timm's ``convit_*`` already. A DeiT (no GPSA layer) gets a zero position row for each
+    token of :func:`_positioned_tokens`, so that it loads strictly into timm's ``deit_*`` (``pos_embed`` of
+    197 rows at 224 pixels) and computes the same logits; :func:`convert_state_dict` folds them back (adding zero).
+    """
+    pos = sd.get("pos_embed")
+    if pos is None or any(k.endswith("attn.gating_param") for k in sd):
+        return dict(sd)
+    rows = pos.new_zeros(pos.shape[0], len(_positioned_tokens(sd)), pos.shape[2])
+    return {**sd, "pos_embed": torch.cat((rows, pos), dim=1)}
 
 
 def _is_square(n: int) -> bool:
