@@ -96,6 +96,39 @@ def test_a_file_the_device_decoder_refuses_is_decoded_on_the_host_and_counted():
     assert x[0, :, 0, 0].tolist() == [30, 60, 90]
 
 
+def test_a_mixed_batch_decodes_its_jpegs_in_one_call_and_moves_the_others_in_one_copy(monkeypatch):
+    """JPEGs, PNGs under a .JPEG name (PIL decodes them: counted) and images the loader decoded (raw pixels): the
+    JPEGs in one call of the device's decoder, the others cut on the host and moved together, so the kernels a
+    batch runs do not grow with its host-decoded views (no copy, no wait per image); each view's pixels are those it
+    gets in a batch of its own."""
+    from test_data_device_resize import _counted, _OpCounter
+
+    from convit_scale.data import device_images
+
+    def png(colour) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (12, 10), colour).save(out, format="PNG")
+        return out.getvalue()
+
+    grey = np.asarray(Image.new("L", (16, 20), 99).convert("RGB"))
+    jpegs = [(_jpeg((200, 10, 10)), Encoded.JPEG, (16, 20), (2, 2, 10, 10), False),
+             (_jpeg((10, 200, 10)), Encoded.JPEG, (16, 20), (0, 0, 16, 20), True)]
+    host = [[(png((30, 60, 90 + k)), Encoded.JPEG, (10, 12), (1, 0, 9, 12), k % 2 == 0),
+             (grey + k, Encoded.RAW, (20, 16), (k, 0, 20 - k, 16), False)] for k in range(3)]
+    small, large = jpegs + host[0], jpegs + [v for pair in host for v in pair]
+    calls, counts, before = _counted(monkeypatch), [], device_images.REFUSED[0]
+    for views in (small, large):
+        with _OpCounter() as counter:
+            x, y = batch_on_device(Batch(Encoded.of(views), torch.arange(len(views))), CPU, 8, group=2)
+        counts.append(counter.ops)
+        alone = [batch_on_device(Batch(Encoded.of([v]), torch.tensor([0])), CPU, 8, group=1)[0][0] for v in views]
+        assert torch.equal(x, torch.stack(alone)) and y.tolist() == list(range(len(views)))
+    # per batch: one call for its 2 JPEGs, then one for each JPEG alone; no kernel more for 4 more host images
+    assert calls == [(2, True), (1, True), (1, True)] * 2 and counts[0] == counts[1], (calls, counts)
+    assert device_images.REFUSED[0] - before == 8, device_images.REFUSED[0] - before  # PNGs: 1 + 3 batched, 1 + 3 alone
+    assert x[2, :, 0, 0].tolist() == [30, 60, 90] and x[3].float().mean() == 99
+
+
 def test_where_the_work_runs_is_resolved_and_refused_before_any_process():
     cuda = torch.device("cuda")
     assert handover_of(DataConfig(), cuda) == "box" and handover_of(DataConfig(), CPU) == "pixels"
