@@ -33,18 +33,27 @@ def _loader(fmt, path, handover, rank=0, world=1):
 
 @pytest.mark.parametrize("fmt, handover", MODES)
 def test_handed_over_views_are_the_pixel_modes_views(fmt, handover, fm_tree, fm_wds, fm_ffcv):
+    """Batches 0-4 of one rank, and batches 3-4 of the second of two ranks resumed at batch 3 (a mid-epoch resume on
+    another world size): the pixel mode's views within a level, and the second half of the one-rank batches exactly
+    (the same views finished on the device alike at any world size and resume position)."""
     path = {"imagefolder": fm_tree, "wds": fm_wds, "ffcv": fm_ffcv}[fmt]
-    for rank, world, start in ((0, 1, 0), (1, 2, 3)):  # one rank from the start; the second of two after a resume
+    finished = []
+    for rank, world, start, count in ((0, 1, 0, 5), (1, 2, 3, 2)):
         pixels, spec = _loader(fmt, path, "pixels", rank, world)
         handed, _ = _loader(fmt, path, handover, rank, world)
         kind = Boxes if handover == "box" else Encoded
-        for a, b in itertools.islice(zip(pixels.epoch(1, start), handed.epoch(1, start)), 2):
+        finished.append([])
+        for a, b in itertools.islice(zip(pixels.epoch(1, start), handed.epoch(1, start)), count):
             assert isinstance(b.images, kind) and len(b.images) == len(a.labels)
             assert torch.equal(a.labels, b.labels) and torch.equal(a.seeds, b.seeds) and a.ids == b.ids
             x, y = batch_on_device(b, CPU, 28, spec.group_size)
             assert x.dtype == torch.uint8 and x.shape == a.images.shape and torch.equal(y, a.labels)
             diff = (x.int() - a.images.contiguous().int()).abs()
             assert diff.max() <= 1, f"{fmt} {handover}: {diff.max()} levels from the CPU resize"
+            finished[-1].append((x, y, b.seeds, b.ids))
+    for (x, y, seeds, ids), (x1, y1, seeds1, ids1) in zip(finished[1], finished[0][3:], strict=True):
+        assert ids == ids1[16:] and torch.equal(seeds, seeds1[16:]) and torch.equal(y, y1[16:])
+        assert torch.equal(x, x1[16:]), f"{fmt} {handover}: resumed on rank 1 of 2, other pixels than on one rank"
 
 
 def test_boxes_and_encoded_views_cut_and_join_as_tensors_do():
