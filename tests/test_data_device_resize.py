@@ -1,6 +1,7 @@
 """The batched device resize (data/device_resize.py) is PIL's bicubic resize, image for image: against PIL on odd sizes,
 flips, independent of the batch around an image, in a number of kernels that does not grow with the batch; the
-device decode's crops are timm's pixels, and files its decoder refuses are decoded by PIL and counted."""
+device decode's crops are timm's pixels, and files its decoder refuses are decoded by PIL and counted, the others
+still in batched calls; an out-of-memory error is never taken for a refused file."""
 
 import io
 
@@ -13,7 +14,8 @@ from test_jpeg import encode, photo_like
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms import InterpolationMode
 
-from convit_scale.data.device_resize import decode_crop_resize, resize_list, resize_packed
+from convit_scale.data import device_resize
+from convit_scale.data.device_resize import decode_crop_resize, device_decodable, resize_list, resize_packed
 
 SIZE = 32
 # upscale, 1-pixel edges, downscale by large factors, non-square, PIL's vertical-first rule (h > 100 w, shrunk)
@@ -155,8 +157,8 @@ def test_decode_crop_resize_gives_timms_pixels(jpegs):
 
 
 def test_a_file_the_decoder_refuses_is_decoded_by_pil_and_counted(jpegs):
-    """A PNG under a .JPEG name (ImageNet has one) is refused by the JPEG decoder, which raises for the whole batch:
-    the batch is decoded one by one, the PNG by PIL (counted); truncated bytes no decoder reads are listed."""
+    """A PNG under a .JPEG name (ImageNet has one) is not offered to the JPEG decoder: PIL decodes it (counted);
+    truncated bytes no decoder reads are listed."""
     png = io.BytesIO()
     Image.fromarray(photo_like(40, 50, seed=5)).save(png, "PNG")
     png = png.getvalue()
@@ -174,3 +176,57 @@ def test_a_file_the_decoder_refuses_is_decoded_by_pil_and_counted(jpegs):
 def test_a_box_outside_its_image_is_refused(jpegs):
     with pytest.raises(ValueError, match=r"boxes\[0\].*not inside its image of 90 x 120"):
         decode_crop_resize([_tensor(jpegs["4:2:0"])], torch.tensor([(50, 0, 60, 10)]), SIZE, None, "cpu")
+
+
+def _counted(monkeypatch) -> list[tuple[int, bool]]:
+    """(size, whether it decoded) of each call of the device's decoder (``device_resize._decode``, the one place it
+    is called)."""
+    calls, decode = [], device_resize._decode
+
+    def counting(data, device):
+        calls.append((len(data), False))
+        out = decode(data, device)
+        calls[-1] = (len(data), True)
+        return out
+
+    monkeypatch.setattr(device_resize, "_decode", counting)
+    return calls
+
+
+def test_files_the_decoder_refuses_leave_the_others_in_batched_calls(jpegs, monkeypatch):
+    """A PNG under a .JPEG name is never offered to the decoder: the batch's JPEGs are one call. Bytes corrupt past a
+    valid header fail the whole call: halved until the file is alone, the others decode in log2(B) batched calls,
+    not one per image. The pixels are each image's decoded alone."""
+    png = io.BytesIO()
+    Image.fromarray(photo_like(40, 50, seed=5)).save(png, "PNG")
+    good = [jpegs[k] for k in ("4:2:0", "progressive", "grey", "4:4:4")] * 2
+    truncated = jpegs["4:2:0"][: len(jpegs["4:2:0"]) // 2]
+    assert device_decodable(_tensor(truncated)) and not device_decodable(_tensor(png.getvalue()))
+    box = (1, 2, 30, 40)
+    alone = [decode_crop_resize([_tensor(d)], torch.tensor([box]), SIZE, None, "cpu").images[0] for d in good]
+    calls = _counted(monkeypatch)
+    for bad, refused, failed in ((png.getvalue(), 1, {}), (truncated, 0, {3: "truncated"})):
+        data = good[:3] + [bad] + good[3:]
+        calls.clear()
+        res = decode_crop_resize([_tensor(d) for d in data], torch.tensor([box] * 9), SIZE, None, "cpu")
+        assert res.refused == refused and {i: "truncated" for i in res.failed} == failed
+        assert torch.equal(torch.cat([res.images[:3], res.images[4:]]), torch.stack(alone))
+        decoded = [n for n, ok in calls if ok]
+        if bad is truncated:  # 9 fails -> 4 fails + 5 -> 2 + 2 fails -> 1 + 1 fails: the bad one alone
+            assert calls[0] == (9, False) and sum(decoded) == 8 and len(decoded) <= 4 and len(calls) <= 9, calls
+        else:
+            assert calls == [(8, True)]
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
+                                   RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to "
+                                                "allocate 96.00 MiB")])
+def test_an_out_of_memory_error_in_the_decoder_propagates(jpegs, monkeypatch, error):
+    """The device's allocation failing is not a file the decoder refused: it is raised, never decoded by PIL and
+    counted (torchvision re-raises its own allocations' failure as a RuntimeError saying so)."""
+    def out_of_memory(data, device):
+        raise error
+
+    monkeypatch.setattr(device_resize, "_decode", out_of_memory)
+    with pytest.raises(type(error), match="out of memory"):
+        decode_crop_resize([_tensor(jpegs["4:2:0"])] * 2, torch.tensor([(0, 0, 9, 9)] * 2), SIZE, None, "cpu")

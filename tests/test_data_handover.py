@@ -33,18 +33,27 @@ def _loader(fmt, path, handover, rank=0, world=1):
 
 @pytest.mark.parametrize("fmt, handover", MODES)
 def test_handed_over_views_are_the_pixel_modes_views(fmt, handover, fm_tree, fm_wds, fm_ffcv):
+    """Batches 0-4 of one rank, and batches 3-4 of the second of two ranks resumed at batch 3 (a mid-epoch resume on
+    another world size): the pixel mode's views within a level, and the second half of the one-rank batches exactly
+    (the same views finished on the device alike at any world size and resume position)."""
     path = {"imagefolder": fm_tree, "wds": fm_wds, "ffcv": fm_ffcv}[fmt]
-    for rank, world, start in ((0, 1, 0), (1, 2, 3)):  # one rank from the start; the second of two after a resume
+    finished = []
+    for rank, world, start, count in ((0, 1, 0, 5), (1, 2, 3, 2)):
         pixels, spec = _loader(fmt, path, "pixels", rank, world)
         handed, _ = _loader(fmt, path, handover, rank, world)
         kind = Boxes if handover == "box" else Encoded
-        for a, b in itertools.islice(zip(pixels.epoch(1, start), handed.epoch(1, start)), 2):
+        finished.append([])
+        for a, b in itertools.islice(zip(pixels.epoch(1, start), handed.epoch(1, start)), count):
             assert isinstance(b.images, kind) and len(b.images) == len(a.labels)
             assert torch.equal(a.labels, b.labels) and torch.equal(a.seeds, b.seeds) and a.ids == b.ids
             x, y = batch_on_device(b, CPU, 28, spec.group_size)
             assert x.dtype == torch.uint8 and x.shape == a.images.shape and torch.equal(y, a.labels)
             diff = (x.int() - a.images.contiguous().int()).abs()
             assert diff.max() <= 1, f"{fmt} {handover}: {diff.max()} levels from the CPU resize"
+            finished[-1].append((x, y, b.seeds, b.ids))
+    for (x, y, seeds, ids), (x1, y1, seeds1, ids1) in zip(finished[1], finished[0][3:], strict=True):
+        assert ids == ids1[16:] and torch.equal(seeds, seeds1[16:]) and torch.equal(y, y1[16:])
+        assert torch.equal(x, x1[16:]), f"{fmt} {handover}: resumed on rank 1 of 2, other pixels than on one rank"
 
 
 def test_boxes_and_encoded_views_cut_and_join_as_tensors_do():
@@ -94,6 +103,39 @@ def test_a_file_the_device_decoder_refuses_is_decoded_on_the_host_and_counted():
     x, y = batch_on_device(batch, CPU, 8, group=2)
     assert device_images.REFUSED[0] == before + 1 and not batch.bad and y.tolist() == [4, 5]
     assert x[0, :, 0, 0].tolist() == [30, 60, 90]
+
+
+def test_a_mixed_batch_decodes_its_jpegs_in_one_call_and_moves_the_others_in_one_copy(monkeypatch):
+    """JPEGs, PNGs under a .JPEG name (PIL decodes them: counted) and images the loader decoded (raw pixels): the
+    JPEGs in one call of the device's decoder, the others cut on the host and moved together, so the kernels a
+    batch runs do not grow with its host-decoded views (no copy, no wait per image); each view's pixels are those it
+    gets in a batch of its own."""
+    from test_data_device_resize import _counted, _OpCounter
+
+    from convit_scale.data import device_images
+
+    def png(colour) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (12, 10), colour).save(out, format="PNG")
+        return out.getvalue()
+
+    grey = np.asarray(Image.new("L", (16, 20), 99).convert("RGB"))
+    jpegs = [(_jpeg((200, 10, 10)), Encoded.JPEG, (16, 20), (2, 2, 10, 10), False),
+             (_jpeg((10, 200, 10)), Encoded.JPEG, (16, 20), (0, 0, 16, 20), True)]
+    host = [[(png((30, 60, 90 + k)), Encoded.JPEG, (10, 12), (1, 0, 9, 12), k % 2 == 0),
+             (grey + k, Encoded.RAW, (20, 16), (k, 0, 20 - k, 16), False)] for k in range(3)]
+    small, large = jpegs + host[0], jpegs + [v for pair in host for v in pair]
+    calls, counts, before = _counted(monkeypatch), [], device_images.REFUSED[0]
+    for views in (small, large):
+        with _OpCounter() as counter:
+            x, y = batch_on_device(Batch(Encoded.of(views), torch.arange(len(views))), CPU, 8, group=2)
+        counts.append(counter.ops)
+        alone = [batch_on_device(Batch(Encoded.of([v]), torch.tensor([0])), CPU, 8, group=1)[0][0] for v in views]
+        assert torch.equal(x, torch.stack(alone)) and y.tolist() == list(range(len(views)))
+    # per batch: one call for its 2 JPEGs, then one for each JPEG alone; no kernel more for 4 more host images
+    assert calls == [(2, True), (1, True), (1, True)] * 2 and counts[0] == counts[1], (calls, counts)
+    assert device_images.REFUSED[0] - before == 8, device_images.REFUSED[0] - before  # PNGs: 1 + 3 batched, 1 + 3 alone
+    assert x[2, :, 0, 0].tolist() == [30, 60, 90] and x[3].float().mean() == 99
 
 
 def test_where_the_work_runs_is_resolved_and_refused_before_any_process():

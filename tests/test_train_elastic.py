@@ -1,5 +1,6 @@
 """Elastic resume: a run stopped on some number of ranks and resumed on another continues the same run, sample for
-sample, with RandAugment, Mixup, CutMix and drop-path on, in every format (FSDP2) and through DeepSpeed's universal
+sample, with RandAugment, Mixup, CutMix and drop-path on, in every format and in every hand-over mode (FSDP2:
+``MODES``) and through DeepSpeed's universal
 checkpoint (ZeRO-2, ZeRO-3; in fp32, and in bf16 with the GPU runs' ZeRO settings); a world size above the canonical
 groups is refused before any rank starts (unequal shares below it: tests/test_train_unequal.py).
 
@@ -24,6 +25,11 @@ from convit_scale.slurm_scripts import job_scripts
 STOP, TOTAL = 3, 13
 """Stopped after step 3 (mid-epoch: 1000 images make 31 steps of 32), compared over the 10 steps after it."""
 FORMATS = ("imagefolder", "wds", "ffcv")
+MODES = {"imagefolder": {}, "wds": {"decode_on": "device"}, "ffcv": {"resize_on": "device"}}
+"""Each format's data path in its FSDP2 runs, so that every hand-over mode resumes on another world size without a
+run more: ImageFolder's crops resized and augmented by the loader (the CPU's default; the ZeRO runs too), WebDataset's
+JPEGs decoded on the training device (here torchvision's CPU decoder stands in), FFCV's crop boxes resized there;
+both augmented there. The loaders' own positions in every format and mode: tests/test_data_handover.py."""
 ZERO = ("zero2", "zero3")
 
 
@@ -57,7 +63,7 @@ def _recipe(tmp, name: str, fmt: str, path, steps: int, strategy: str = "fsdp2",
     ``gpu_settings``: a ZeRO run with ``gpu_zero_settings``."""
     parallel, optim = gpu_zero_settings(strategy) if gpu_settings else ({"strategy": strategy}, {})
     return tiny_recipe(tmp / f"{name}.yaml", fmt, path, tmp / name, parallel=parallel, optim=optim,
-                       data={"val_path": "", "num_workers": 2 if fmt == "wds" else 0},
+                       data={"val_path": "", "num_workers": 2 if fmt == "wds" else 0, **MODES[fmt]},
                        schedule={"max_steps": steps}, checkpoint={"every_steps": STOP, "keep_last": 10},
                        log={"debug_samples": True})
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Batch, Boxes, Encoded
-from .device_resize import decode_crop_resize, resize_list, resize_packed
+from .device_resize import decode_crop_resize, resize_packed
 from .faults import next_good
 
 
@@ -49,46 +49,33 @@ REFUSED = [0]
 
 
 def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch.Tensor, dict]:
-    """The views decoded on ``device`` (the JPEGs in one batched call, ``device_resize.decode_crop_resize``), cropped,
-    resized to ``size`` and flipped, and {index: bad-sample record} of those that decoded nowhere (zeros)."""
+    """The views decoded on ``device`` (the JPEGs in one batched call; those its decoder refuses, and the images the
+    loader decoded, cut on the host and moved in one copy: ``device_resize.decode_crop_resize``), cropped, resized
+    to ``size`` and flipped, and {index: bad-sample record} of those that decoded nowhere (zeros)."""
     payloads, meta = views.payloads(), views.meta
-    jpeg = (meta[:, 1] == Encoded.JPEG).nonzero().squeeze(1).tolist()
-    if len(jpeg) == len(views):  # the usual batch: JPEGs only
-        done = _decode_on_its_stream(payloads, meta[:, 4:8], size, views.flips, device)
-        REFUSED[0] += done.refused
-        return done.images, {i: {"reason": f"undecodable JPEG ({why})"} for i, why in done.failed.items()}
-    out = torch.empty(len(views), 3, size, size, dtype=torch.uint8, device=device)
-    failed = {}
-    if jpeg:
-        done = _decode_on_its_stream([payloads[i] for i in jpeg], meta[jpeg, 4:8], size, views.flips[jpeg], device)
-        REFUSED[0] += done.refused
-        out[torch.tensor(jpeg, device=device)] = done.images
-        failed = {jpeg[k]: {"reason": f"undecodable JPEG ({why})"} for k, why in done.failed.items()}
-    raw = [i for i in range(len(views)) if i not in set(jpeg)]  # images the loader decoded (not JPEGs)
-    crops = []
-    for i in raw:
-        _, _, height, width, top, left, h, w = meta[i].tolist()
-        crops.append(payloads[i].view(height, width, 3)[top:top + h, left:left + w].permute(2, 0, 1))
-    out[torch.tensor(raw, device=device)] = resize_list([c.to(device) for c in crops], size,
-                                                        views.flips[raw].to(device), layout="CHW")
-    return out, failed
+    pixels = {i: payloads[i].numpy().reshape(height, width, 3)  # images the loader decoded (not JPEGs)
+              for i, (kind, height, width) in enumerate(meta[:, 1:4].tolist()) if kind == Encoded.RAW}
+    done = _decode_on_its_stream(payloads, meta[:, 4:8], size, views.flips, device, pixels)
+    REFUSED[0] += done.refused
+    return done.images, {i: {"reason": f"undecodable JPEG ({why})"} for i, why in done.failed.items()}
 
 
 _STREAMS: dict = {}
 
 
-def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips: torch.Tensor, device: torch.device):
+def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips: torch.Tensor, device: torch.device,
+                          pixels: dict):
     """``decode_crop_resize`` on a CUDA stream of its own. torchvision's nvJPEG decode allocates its outputs on the
     current stream but writes them on a private one that waits for no other: from the training stream's pool it could
     be handed memory that queued training kernels still read. On its own stream, its allocations come from that
     stream's pool, whose earlier work is finished first; the training stream then waits for the images."""
     if device.type != "cuda":
-        return decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device)
+        return decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device, pixels)
     stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
     current = torch.cuda.current_stream(device)
     stream.synchronize()  # the previous batch's decode and resize: no block of this stream's pool is still in use
     with torch.cuda.stream(stream):
-        done = decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device)
+        done = decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device, pixels)
     current.wait_stream(stream)
     done.images.record_stream(current)
     return done

@@ -350,7 +350,8 @@ class Decoded:
     images: torch.Tensor
     """uint8 (B, 3, size, size) on the device; zeros for the images in ``failed``."""
     refused: int
-    """JPEGs the device's decoder refused that the CPU (PIL) decoded: their pixels are PIL's."""
+    """Payloads the device's decoder refused, or was not offered (``device_decodable``), that the CPU (PIL) decoded:
+    their pixels are PIL's."""
     failed: dict[int, str] = field(default_factory=dict)
     """Batch index -> reason, for bytes no decoder could read (for the loader's replacement rule, ``faults.py``)."""
 
@@ -361,62 +362,126 @@ warnings.filterwarnings("ignore", "The image decoding and encoding capabilities 
                         DeprecationWarning)
 
 
-def _decode(data, device: torch.device):
-    """torchvision's ``decode_jpeg`` in RGB (greyscale and CMYK converted): nvJPEG on CUDA, batched for a list."""
+def _decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The device's decoder, one batched call: torchvision's ``decode_jpeg`` of a list in RGB (greyscale and CMYK
+    converted), nvJPEG on CUDA, libjpeg-turbo on the CPU. (3, H, W) uint8 images on ``device``."""
     return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
-def _decode_each(encoded: list[torch.Tensor], device: torch.device) -> tuple[list, int, dict[int, str]]:
-    """Decode one at a time (after the batch decode raised): the device's decoder, else PIL on the CPU."""
-    out, refused, failed = [], 0, {}
-    for i, data in enumerate(encoded):
-        try:
-            out.append(_decode(data, device))
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation failure, never a file's fault: torch's ``OutOfMemoryError`` (its caching
+    allocator), or a RuntimeError that says so (torchvision re-raises a failure of its own allocations inside its
+    decode as "Error while decoding JPEG images: CUDA out of memory ...")."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+FRAMES = (0xC0, 0xC1, 0xC2)
+"""The JPEG frames the device's decoder is offered: baseline, extended and progressive Huffman (nvJPEG's batched
+hardware path takes baseline, its hybrid path the others). Lossless, hierarchical and arithmetic-coded frames go to
+PIL on the host, as do 12-bit samples."""
+
+
+def device_decodable(data: torch.Tensor) -> bool:
+    """Whether a payload goes to the device's decoder: a JPEG (SOI) whose frame header, read before the first scan,
+    is one of ``FRAMES`` with 8-bit samples. A PNG or GIF under a .JPEG name fails here, with no device attempt (a
+    refusal would fail the whole batched call). Reads the markers' lengths only: microseconds."""
+    b = memoryview(data.numpy())
+    n, i = len(b), 2
+    if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
+        return False
+    while i + 4 <= n and b[i] == 0xFF:
+        marker = b[i + 1]
+        if marker == 0xFF or marker == 0x01 or 0xD0 <= marker <= 0xD7:  # fill byte, TEM, RSTn: no length
+            i += 1 if marker == 0xFF else 2
             continue
-        except RuntimeError:
-            pass
-        try:
-            rgb = np.asarray(pil_rgb(data.numpy().tobytes()))
-        except DECODE_ERRORS as e:
-            failed[i] = reason_of(e)
-            out.append(None)
-            continue
-        refused += 1
-        out.append(torch.from_numpy(rgb.copy()).permute(2, 0, 1).to(device))
-    return out, refused, failed
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn (not DHT, JPG, DAC)
+            return marker in FRAMES and i + 4 < n and b[i + 4] == 8
+        if marker in (0xD9, 0xDA):  # EOI or the first scan: no frame header before it
+            return False
+        i += 2 + (b[i + 2] << 8 | b[i + 3])
+    return False
 
 
-def _crops(decoded: list, boxes: np.ndarray, size: int) -> list[torch.Tensor]:
-    """Each box (top, left, height, width) as a view of its decoded image (a 1-pixel stand-in where none decoded)."""
-    crops = []
-    for i, (img, (top, left, h, w)) in enumerate(zip(decoded, boxes.tolist())):
-        if img is None:
-            crops.append(torch.zeros((3, 1, 1), dtype=torch.uint8, device=_device_of(decoded)))
-            continue
-        ih, iw = img.shape[1], img.shape[2]
-        if h < 1 or w < 1 or top < 0 or left < 0 or top + h > ih or left + w > iw:
-            raise ValueError(f"boxes[{i}]=(top {top}, left {left}, height {h}, width {w}) is not inside its image "
-                             f"of {ih} x {iw} pixels")
-        crops.append(img[:, top:top + h, left:left + w])
-    return crops
+def _decode_accepted(encoded: list[torch.Tensor], idx: list[int], device: torch.device, out: dict,
+                     refused: list[int]) -> None:
+    """The payloads ``idx`` decoded by the device's decoder into ``out`` (index -> image), in one batched call. A
+    batch it refuses (a file corrupt past its header: nvJPEG and libjpeg-turbo fail the whole call) is halved, and
+    each half decoded batched again, until each refused file is alone (in ``refused``): a few calls more for one
+    bad file, never a call per image. An out-of-memory error is the device's, not a file's: it propagates."""
+    if not idx:
+        return
+    try:
+        out.update(zip(idx, _decode([encoded[i] for i in idx], device)))
+    except RuntimeError as e:
+        if out_of_memory(e):
+            raise
+        if len(idx) == 1:
+            refused.append(idx[0])
+            return
+        half = len(idx) // 2
+        _decode_accepted(encoded, idx[:half], device, out, refused)
+        _decode_accepted(encoded, idx[half:], device, out, refused)
 
 
-def _device_of(decoded: list) -> torch.device:
-    return next(img.device for img in decoded if img is not None)
+def _check_box(i: int, box: tuple, ih: int, iw: int) -> None:
+    top, left, h, w = box
+    if h < 1 or w < 1 or top < 0 or left < 0 or top + h > ih or left + w > iw:
+        raise ValueError(f"boxes[{i}]=(top {top}, left {left}, height {h}, width {w}) is not inside its image "
+                         f"of {ih} x {iw} pixels")
+
+
+def _to_device(crops: dict[int, np.ndarray], device: torch.device, rows: bool) -> dict[int, torch.Tensor]:
+    """Host crops (h, w, 3) as (3, h, w) views of one buffer on ``device``, packed in the device decoder's layout (one
+    pixel step for ``resize_list``: HWC ``rows`` as torchvision's CPU decoder gives them, else CHW planes as nvJPEG's)
+    into one page-locked buffer on CUDA, moved in one copy."""
+    packed = {i: np.ascontiguousarray(c if rows else c.transpose(2, 0, 1)) for i, c in crops.items()}
+    if not packed:
+        return {}
+    host = torch.empty(sum(p.size for p in packed.values()), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    np.concatenate([p.reshape(-1) for p in packed.values()], out=host.numpy())
+    flat, views, at = host.to(device, non_blocking=True), {}, 0
+    for i, p in packed.items():
+        view = flat[at:at + p.size].view(p.shape)
+        views[i], at = view.permute(2, 0, 1) if rows else view, at + p.size
+    return views
+
+
+def _host_crops(encoded: list[torch.Tensor], boxes: list, idx: list[int], pixels: dict,
+                failed: dict[int, str]) -> tuple[dict[int, np.ndarray], int]:
+    """The boxes of ``idx`` cut on the host: from ``pixels`` (decoded by the loader), else decoded by PIL (counted);
+    a payload PIL cannot read either is listed in ``failed`` and stands in as one black pixel. Returns (crops,
+    JPEGs PIL decoded)."""
+    crops, decoded = {}, 0
+    for i in idx:
+        if i in pixels:
+            rgb = pixels[i]
+        else:
+            try:
+                rgb = np.asarray(pil_rgb(encoded[i].numpy().tobytes()))
+            except DECODE_ERRORS as e:
+                failed[i], crops[i] = reason_of(e), np.zeros((1, 1, 3), np.uint8)
+                continue
+            decoded += 1
+        _check_box(i, boxes[i], rgb.shape[0], rgb.shape[1])
+        top, left, h, w = boxes[i]
+        crops[i] = rgb[top:top + h, left:left + w]
+    return crops, decoded
 
 
 def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: int,
-                       flips: torch.Tensor | None, device: torch.device | str) -> Decoded:
+                       flips: torch.Tensor | None, device: torch.device | str,
+                       pixels: dict[int, np.ndarray] | None = None) -> Decoded:
     """Decode a batch of JPEGs on ``device``, crop each to its box and resize the boxes to ``size`` (PIL's bicubic,
     ``resize_list``), flipped where ``flips``.
 
     encoded: 1-D uint8 CPU tensors, a JPEG's bytes each. boxes: int64 (B, 4) rows (top, left, height, width) in
-    the full image's pixels. The batch is decoded by one ``torchvision.io.decode_jpeg(list, device=device)`` call
-    (nvJPEG on CUDA, libjpeg-turbo on the CPU), in RGB (greyscale and CMYK converted). If that raises (a file the
-    decoder refuses: not a JPEG, a mode it lacks, corrupt data), the batch is decoded one image at a time and each
-    refused file by PIL on the CPU (``Decoded.refused``); bytes PIL cannot read either are listed in
-    ``Decoded.failed``."""
-    device = torch.device(device)
+    the full image's pixels. pixels: {index: (H, W, 3) uint8 host image} of views the loader decoded (not JPEGs;
+    their ``encoded`` entries are not read). The JPEGs that pass ``device_decodable`` are decoded by one
+    ``torchvision.io.decode_jpeg(list, device=device)`` call (``_decode_accepted``: halved where the decoder fails
+    the call); the others, and those it refused, by PIL on the host (``Decoded.refused``), their boxes moved with
+    the loader-decoded ones in one copy; bytes PIL cannot read either are listed in ``Decoded.failed``. Then one
+    ``resize_list`` of every box. An out-of-memory error propagates."""
+    device, pixels = torch.device(device), pixels or {}
     _check_size(size)
     _check_flips(flips, len(encoded))
     if not isinstance(boxes, torch.Tensor) or tuple(boxes.shape) != (len(encoded), 4):
@@ -427,13 +492,17 @@ def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: i
             raise ValueError(f"encoded[{i}] must be a 1-D uint8 CPU tensor of a JPEG's bytes")
     if not encoded:
         return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), 0)
-    try:
-        decoded, refused, failed = _decode(list(encoded), device), 0, {}
-    except RuntimeError:
-        decoded, refused, failed = _decode_each(encoded, device)
-    if len(failed) == len(encoded):
-        return Decoded(torch.zeros((len(encoded), 3, size, size), dtype=torch.uint8, device=device), 0, failed)
-    images = resize_list(_crops(decoded, boxes.detach().cpu().numpy(), size), size, flips, layout="CHW")
-    if failed:
-        images[torch.tensor(sorted(failed), device=device)] = 0
-    return Decoded(images, refused, failed)
+    box_list = [tuple(b) for b in boxes.detach().cpu().tolist()]
+    accepted = [i for i in range(len(encoded)) if i not in pixels and device_decodable(encoded[i])]
+    on_device, refused = {}, []
+    _decode_accepted(encoded, accepted, device, on_device, refused)
+    failed: dict[int, str] = {}
+    host, decoded = _host_crops(encoded, box_list, [i for i in range(len(encoded)) if i not in on_device], pixels,
+                                failed)
+    crops = _to_device(host, device, rows=any(img.stride(2) == 3 for img in on_device.values()))
+    for i, img in on_device.items():
+        _check_box(i, box_list[i], img.shape[1], img.shape[2])
+        top, left, h, w = box_list[i]
+        crops[i] = img[:, top:top + h, left:left + w]
+    images = resize_list([crops[i] for i in range(len(encoded))], size, flips, layout="CHW")
+    return Decoded(images, decoded, failed)  # a failed view's black pixel resizes to zeros
