@@ -480,8 +480,15 @@ class CheckpointConfig:
     """Also save once this many minutes passed since the last save (rank 0's clock, agreed in the step's reduction:
     every rank saves after the same step); None = by steps and epochs only. `convit-scale plan --mtbf-hours`
     suggests a value (the Young/Daly interval)."""
+    async_save: bool = False
+    """Write checkpoints beside training: the step pays for the copy of the state to host memory, the files are
+    written by a background thread and published (``latest``) once every rank's write completed, at the next save,
+    a stop or the end. At most one save in flight. DDP and FSDP2 (torch.distributed.checkpoint's async_save);
+    other strategies save at once."""
 
     def validate(self, fail) -> None:
+        if not isinstance(self.async_save, bool):
+            fail("checkpoint.async_save", self.async_save, "must be true or false")
         if self.every_minutes is not None and not self.every_minutes > 0:
             fail("checkpoint.every_minutes", self.every_minutes, "must be > 0, or null")
         if self.keep_last < 1:

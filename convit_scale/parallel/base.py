@@ -130,6 +130,12 @@ class Strategy:
     def save(self, directory: Path) -> None:
         raise NotImplementedError
 
+    def save_async(self, directory: Path):
+        """Start a save whose files are written beside training; returns a future of the write (its ``result()``
+        waits), or None where the strategy saved at once (this default: the save completes here)."""
+        self.save(directory)
+        return None
+
     def load(self, directory: Path, saved_world_size: int) -> None:
         """Load the state ``save`` wrote into ``directory`` on ``saved_world_size`` ranks (any world size may load
         it: the strategies reshard)."""

@@ -21,8 +21,20 @@ class DCPStateMixin:
 
     def save(self, directory: Path) -> None:
         dcp.save(self._state(), checkpoint_id=str(directory / "dcp"))
+        self._save_scaler(directory)
+
+    def _save_scaler(self, directory: Path) -> None:
         if self.scaler is not None and comm.rank() == 0:  # the same on every rank
             torch.save(self.scaler.state_dict(), directory / "grad_scaler.pt")
+
+    def save_async(self, directory: Path):
+        """DCP's ``async_save``: the state is copied to host memory here; the files are written by a background
+        thread, whose collectives go through a gloo group of their own (under NCCL the step's collectives go on).
+        Returns the future of the write."""
+        if getattr(self, "_save_group", None) is None:  # a collective: every rank reaches its first save together
+            self._save_group = torch.distributed.new_group(backend="gloo")
+        self._save_scaler(directory)
+        return dcp.async_save(self._state(), checkpoint_id=str(directory / "dcp"), process_group=self._save_group)
 
     def load(self, directory: Path, saved_world_size: int | None = None) -> None:
         state = self._state()  # DCP reshards: any saved world size loads

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -169,8 +170,11 @@ def _step_of(path: Path) -> int:
     return int(name[len(PREFIX):]) if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() else -1
 
 
-def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
-    """Every rank calls this; rank 0 publishes and prunes."""
+def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background: bool = False) -> Path:
+    """Every rank calls this; rank 0 publishes and prunes. With ``background``, the strategy's files are written
+    beside training and published by ``wait_for_save`` (at the next save, a stop or the end) once every rank's
+    write completed: a crash or a kill before then leaves ``latest`` on the previous checkpoint."""
+    wait_for_save(strategy)  # at most one save in flight
     rank = comm.rank()
     final = root / f"{PREFIX}{meta['step']:09d}"
     tmp = root / (final.name + ".tmp")
@@ -180,10 +184,38 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
             shutil.rmtree(tmp)
         tmp.mkdir()
     comm.barrier()
-    strategy.save(tmp)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    future = strategy.save_async(tmp) if background else strategy.save(tmp)
+    _IN_FLIGHT.append((future, root, tmp, final, meta, keep_last, strategy))
+    if not background:
+        wait_for_save()
+    return final
+
+
+_IN_FLIGHT: list = []
+"""The save whose files are being written (one at most): its future and where it publishes."""
+
+
+def save_in_flight() -> bool:
+    return bool(_IN_FLIGHT)
+
+
+def wait_for_save(strategy=None) -> Path | None:
+    """Wait for the save in flight, if any (every rank calls this), then publish it: the barrier after every rank's
+    write, rank 0's ``meta.json``, rename and ``latest``, and the pruning. Returns the published folder. A save of
+    another strategy than ``strategy`` (a run of this process that ended in an error) is waited for, never
+    published."""
+    if not _IN_FLIGHT:
+        return None
+    future, root, tmp, final, meta, keep_last, owner = _IN_FLIGHT.pop()
+    if future is not None:
+        future.result()  # the write's error, if any, raises here on its rank
+    if strategy is not None and owner is not strategy:
+        return None
     comm.barrier()
-    if rank == 0:
+    if comm.rank() == 0:
+        if os.environ.get(_SLOW_PUBLISH_ENV):  # tests: a kill lands between the write and the publication
+            time.sleep(float(os.environ[_SLOW_PUBLISH_ENV]))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish_dir(tmp, final)
         write_atomic(root / LATEST, final.name + "\n")
@@ -193,6 +225,7 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
     return final
 
 
+_SLOW_PUBLISH_ENV = "CONVIT_SCALE_TEST_SLOW_PUBLISH_S"
 
 
 def save_best(root: Path, state: dict | None, meta: dict) -> Path:

@@ -128,13 +128,19 @@ def long_phase(run: Run, phase: str):
 
 
 def save(run: Run, state: TrainState, reason: str):
+    """A checkpoint; beside training (checkpoint.async_save) for the periodic ones, at once for the end and a stop
+    (both wait for the save in flight first). ``save_s`` is the time the step was held."""
+    background = run.cfg.checkpoint.async_save and reason not in ("end", "signal")
     t0 = time.time()
     with long_phase(run, SAVE):
-        path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last)
+        path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last,
+                               background=background)
     seconds = time.time() - t0
     state.meters.last_save_time = time.monotonic()
-    run.metrics.write({"kind": "checkpoint", "step": state.step, "reason": reason, "save_s": round(seconds, 3)})
-    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s)")
+    run.metrics.write({"kind": "checkpoint", "step": state.step, "reason": reason, "save_s": round(seconds, 3),
+                       "background": background})
+    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s"
+                 f"{', written beside training' if background else ''})")
     return path
 
 
