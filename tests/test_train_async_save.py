@@ -34,3 +34,37 @@ def test_async_saves_publish_after_the_write_and_resume_bit_exactly(fm_tree, tmp
     assert async_losses == sync_losses  # bit-exact: the resumed steps 5 and 6 as well
     meta = json.loads((async_out / "checkpoints" / names[-1] / "meta.json").read_text())
     assert meta["step"] == 6
+
+
+def test_a_kill_during_an_async_save_never_publishes_it(fm_tree, tmp_path):
+    """Both ranks killed (SIGKILL) while the save of step 4 is in flight, its files written but not yet published
+    (a test hook holds rank 0's publication): `latest` stays step 2, the half-done save is no checkpoint, and a start
+    into the folder resumes from step 2 to the end."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from support import ranks_cmd, run_ranks
+
+    run, out = _run(fm_tree, tmp_path, "killed", True, 8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONVIT_SCALE_TEST_SLOW_PUBLISH": "4:600"}
+    proc = subprocess.Popen(ranks_cmd(run["recipe"]), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    written = out / "checkpoints" / "step_000000004.tmp" / "dcp" / ".metadata"
+    try:
+        deadline = time.monotonic() + 300
+        while not written.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert written.is_file(), "the save of step 4 was never written"
+        time.sleep(1)  # the training thread goes on to the next steps meanwhile
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000000002"
+    assert not (root / "step_000000004").exists() and not (root / "step_000000004.tmp" / "meta.json").exists()
+    res = run_ranks(run["recipe"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (root / "latest").read_text().strip() == "step_000000008"
+    assert "step_000000002 at step 2" in res.stdout + res.stderr  # resumed from the last published save

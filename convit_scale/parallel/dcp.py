@@ -14,6 +14,8 @@ from .. import comm
 
 class DCPStateMixin:
     scaler: torch.amp.GradScaler | None = None
+    save_group = None
+    """The gloo group of the background saves' collectives (made at the first one)."""
 
     def _state(self):
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
@@ -31,10 +33,10 @@ class DCPStateMixin:
         """DCP's ``async_save``: the state is copied to host memory here; the files are written by a background
         thread, whose collectives go through a gloo group of their own (under NCCL the step's collectives go on).
         Returns the future of the write."""
-        if getattr(self, "_save_group", None) is None:  # a collective: every rank reaches its first save together
-            self._save_group = torch.distributed.new_group(backend="gloo")
+        if self.save_group is None:  # a collective: every rank reaches its first save together
+            self.save_group = torch.distributed.new_group(backend="gloo")
         self._save_scaler(directory)
-        return dcp.async_save(self._state(), checkpoint_id=str(directory / "dcp"), process_group=self._save_group)
+        return dcp.async_save(self._state(), checkpoint_id=str(directory / "dcp"), process_group=self.save_group)
 
     def load(self, directory: Path, saved_world_size: int | None = None) -> None:
         state = self._state()  # DCP reshards: any saved world size loads

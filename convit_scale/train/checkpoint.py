@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -172,9 +173,9 @@ def _step_of(path: Path) -> int:
 
 def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background: bool = False) -> Path:
     """Every rank calls this; rank 0 publishes and prunes. With ``background``, the strategy's files are written
-    beside training and published by ``wait_for_save`` (at the next save, a stop or the end) once every rank's
-    write completed: a crash or a kill before then leaves ``latest`` on the previous checkpoint."""
-    wait_for_save(strategy)  # at most one save in flight
+    beside training and a thread of each rank publishes them once every rank's write completed (a barrier of the
+    strategy's save group): a crash or a kill before then leaves ``latest`` on the previous checkpoint."""
+    wait_for_save()  # at most one save in flight
     rank = comm.rank()
     final = root / f"{PREFIX}{meta['step']:09d}"
     tmp = root / (final.name + ".tmp")
@@ -185,47 +186,73 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background
         tmp.mkdir()
     comm.barrier()
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    future = strategy.save_async(tmp) if background else strategy.save(tmp)
-    _IN_FLIGHT.append((future, root, tmp, final, meta, keep_last, strategy))
-    if not background:
-        wait_for_save()
+    if not (background and hasattr(strategy, "save_async")):  # DDP and FSDP2 save beside training
+        strategy.save(tmp)
+        comm.barrier()
+        if rank == 0:
+            _publish(root, tmp, final, meta, keep_last)
+        comm.barrier()
+        return final
+    future = strategy.save_async(tmp)
+    group = getattr(strategy, "save_group", None)
+    flight = _InFlight(target=_write_then_publish, args=(future, group, root, tmp, final, meta, keep_last),
+                       name=f"checkpoint-{final.name}")
+    _IN_FLIGHT.append(flight)
+    flight.start()
     return final
 
 
-_IN_FLIGHT: list = []
-"""The save whose files are being written (one at most): its future and where it publishes."""
+class _InFlight(threading.Thread):
+    """The thread that waits for a save's write and publishes it; ``error`` is what ended it, if anything."""
+
+    error: BaseException | None = None
+
+    def run(self):
+        try:
+            super().run()
+        except BaseException as e:  # re-raised on the training thread by wait_for_save
+            self.error = e
+
+
+_IN_FLIGHT: list[_InFlight] = []
+"""The save being written (one at most)."""
+
+
+def _write_then_publish(future, group, root, tmp, final, meta, keep_last) -> None:
+    if future is not None:
+        future.result()
+    torch.distributed.barrier(group=group)  # every rank's files are written
+    if comm.rank() == 0:
+        _publish(root, tmp, final, meta, keep_last)
+
+
+def _publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last: int) -> None:
+    """Rank 0: ``meta.json``, the rename, ``latest``, then the pruning of the oldest."""
+    slow = os.environ.get(_SLOW_PUBLISH_ENV, "")  # tests: "STEP:SECONDS", a kill lands between write and publication
+    if slow and int(slow.split(":")[0]) == meta["step"]:
+        time.sleep(float(slow.split(":")[1]))
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    publish_dir(tmp, final)
+    write_atomic(root / LATEST, final.name + "\n")
+    for stale in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+_SLOW_PUBLISH_ENV = "CONVIT_SCALE_TEST_SLOW_PUBLISH"
 
 
 def save_in_flight() -> bool:
-    return bool(_IN_FLIGHT)
+    return any(t.is_alive() for t in _IN_FLIGHT)
 
 
-def wait_for_save(strategy=None) -> Path | None:
-    """Wait for the save in flight, if any (every rank calls this), then publish it: the barrier after every rank's
-    write, rank 0's ``meta.json``, rename and ``latest``, and the pruning. Returns the published folder. A save of
-    another strategy than ``strategy`` (a run of this process that ended in an error) is waited for, never
-    published."""
-    if not _IN_FLIGHT:
-        return None
-    future, root, tmp, final, meta, keep_last, owner = _IN_FLIGHT.pop()
-    if future is not None:
-        future.result()  # the write's error, if any, raises here on its rank
-    if strategy is not None and owner is not strategy:
-        return None
-    comm.barrier()
-    if comm.rank() == 0:
-        if os.environ.get(_SLOW_PUBLISH_ENV):  # tests: a kill lands between the write and the publication
-            time.sleep(float(os.environ[_SLOW_PUBLISH_ENV]))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        publish_dir(tmp, final)
-        write_atomic(root / LATEST, final.name + "\n")
-        for stale in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
-    comm.barrier()
-    return final
-
-
-_SLOW_PUBLISH_ENV = "CONVIT_SCALE_TEST_SLOW_PUBLISH_S"
+def wait_for_save() -> None:
+    """Wait until the save in flight, if any, is written and published (every rank calls this: a stop, the end,
+    the next save); its error, if it failed, raises here."""
+    while _IN_FLIGHT:
+        flight = _IN_FLIGHT.pop()
+        flight.join()
+        if flight.error is not None:
+            raise flight.error
 
 
 def save_best(root: Path, state: dict | None, meta: dict) -> Path:
