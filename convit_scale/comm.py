@@ -118,9 +118,10 @@ def set_timeout(seconds: float) -> bool:
     return True
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
+    """All ranks of ``group`` (the default group if None) reach this point."""
     if is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 _on_destroy: list = []

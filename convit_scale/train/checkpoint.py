@@ -221,7 +221,7 @@ _IN_FLIGHT: list[_InFlight] = []
 def _write_then_publish(future, group, root, tmp, final, meta, keep_last) -> None:
     if future is not None:
         future.result()
-    torch.distributed.barrier(group=group)  # every rank's files are written
+    comm.barrier(group)  # every rank's files are written
     if comm.rank() == 0:
         _publish(root, tmp, final, meta, keep_last)
 
