@@ -57,6 +57,8 @@ def test_inheritance_and_overrides(tmp_path):
      "parallel.compile = True is not allowed; is supported with ddp and fsdp2"),
     ("parallel: {strategy: fsdp2, precision: fp16}\n",
      "parallel.precision = 'fp16' is not allowed; fsdp2 trains in fp32 or bf16"),
+    ("parallel: {strategy: zero2}\ncheckpoint: {async_save: true}\n",
+     "checkpoint.async_save = True is not allowed; parallel.strategy zero2 saves at once"),
 ])
 def test_bad_values_are_refused_naming_key_and_file(tmp_path, text, needle):
     f = _write(tmp_path / "bad.yaml", text)

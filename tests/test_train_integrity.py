@@ -188,6 +188,11 @@ def test_a_save_the_file_system_refuses_is_one_line_and_leaves_nothing_half_writ
         assert len(err) == 1 and "checkpoint at step 2 into" in err[0] and "the save failed: no space left" in err[0]
         assert f"the last good checkpoint is {root / 'step_000000001'} (intact)" in err[0], err
         assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]
+        assert train_here(r, "schedule.max_steps=2", "checkpoint.async_save=true") == EXIT_STORAGE  # written beside
+        err = _errors(capsys.readouterr().err)  # training: the same line, raised where the run waits for the save
+        assert len(err) == 1 and "checkpoint at step 2 into" in err[0] and "the save failed: no space left" in err[0]
+        assert "step_000000002.tmp/dcp/" in err[0]  # met by the background write
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]
         subprocess.run(["mount", "-o", "remount,nr_inodes=100000", str(mnt)], check=True)
         ro = tmp_path / "ro"
         shutil.copytree(root, ro)
