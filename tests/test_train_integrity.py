@@ -160,8 +160,11 @@ def test_a_full_file_system_ends_the_save_in_one_line_with_the_earlier_checkpoin
         ckpt = root / "step_000000002"
         assert not check_listing(ckpt, json.loads((ckpt / "meta.json").read_text())["files"])
         shutil.rmtree(root / "step_000000001")  # room again: the run resumes from its newest
-        assert train_here(r, "schedule.max_steps=3", "checkpoint.keep_last=1") == 0
-        assert f"resumed from {ckpt} at step 2" in capsys.readouterr().out
+        assert train_here(r, "schedule.max_steps=3", "checkpoint.keep_last=1", "checkpoint.every_minutes=auto") == 0
+        said = capsys.readouterr().out
+        assert f"resumed from {ckpt} at step 2" in said
+        assert "checkpoint.every_minutes=auto, checkpoints: checkpoint.every_minutes=" in said  # resolved at set-up
+        assert f"s per save, measured in {out}" in said  # from the saves of the earlier start
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
