@@ -63,10 +63,43 @@ def advice(save_s: float, gpus: int, mtbf_h: float | None = None, restart_s: flo
             "failure_gpu_hours": cost * gpus / 3600, "overhead": overhead(interval, save_s, mtbf_h * 3600, restart_s)}
 
 
+def save_s_of(run_dir: str | Path) -> float:
+    """The save time the advice uses: measured in the run folder, else ``ASSUMED_SAVE_S``."""
+    measured = measured_save_s(run_dir)
+    return measured if measured is not None else ASSUMED_SAVE_S
+
+
+def every_minutes_of(setting: float | str | None, run_dir: str | Path, gpus: int,
+                     mtbf_h: float | None = None) -> float | None:
+    """The interval, in minutes, a run saves at by time: the recipe's ``checkpoint.every_minutes``, or for ``auto``
+    the advice of :func:`advice_line` for the job's GPUs and the save time measured in its run folder (a requeue
+    reads the saves of its earlier starts)."""
+    if setting != "auto":
+        return setting
+    return advice(save_s_of(run_dir), gpus, mtbf_h)["every_minutes"]
+
+
+def job_time(train_s: float, epochs: int, every_epochs: int | None, every_minutes: float | None, evals: int,
+             eval_s: float, analysis_s: float, save_s: float) -> dict:
+    """A job's wall-clock beside its steps (``train_s``): its ``evals`` evaluations of ``eval_s`` and per-epoch
+    analyses of ``analysis_s`` (both run together), and its saves of ``save_s`` each (the time a save holds the
+    step): one every ``every_epochs`` epochs, one once ``every_minutes`` passed since the last save (any save resets
+    that clock), one at the end. Counts, seconds and each one's share of the whole."""
+    epoch_s = (train_s + evals * (eval_s + analysis_s)) / max(epochs, 1)
+    epoch_saves = epochs // every_epochs if every_epochs else 0
+    between = epoch_s * (every_epochs or epochs)  # seconds between two epoch saves (the whole run without them)
+    timed = math.floor(between / (every_minutes * 60)) * max(epoch_saves, 1) if every_minutes else 0
+    saves = epoch_saves + timed + 1
+    parts = {"train": train_s, "evaluation": evals * eval_s, "analysis": evals * analysis_s, "saves": saves * save_s}
+    total = sum(parts.values())
+    return {"saves": saves, "timed_saves": timed, "epoch_saves": epoch_saves, "evaluations": evals,
+            "seconds": parts, "total_s": total, "share": {k: v / total for k, v in parts.items()}}
+
+
 def advice_line(run_dir: str | Path, gpus: int, mtbf_h: float | None = None) -> str:
     """The one line of ``convit-scale plan``: the interval to set and what one failure costs."""
     measured = measured_save_s(run_dir)
-    save_s = measured if measured is not None else ASSUMED_SAVE_S
+    save_s = save_s_of(run_dir)
     a = advice(save_s, gpus, mtbf_h)
     source = (f"{save_s:.1f} s per save, measured in {run_dir}" if measured is not None else
               f"{save_s:.0f} s per save assumed (none measured yet in {run_dir})")

@@ -51,12 +51,13 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def all_gather_object(obj) -> list:
-    """``obj`` of every rank, in rank order."""
+def all_gather_object(obj, group=None) -> list:
+    """``obj`` of every rank, in rank order; ``group``: a gloo group of every rank (a background thread's, whose
+    collectives must not interleave with the training thread's on the process group), else the process group."""
     if not is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -118,9 +119,10 @@ def set_timeout(seconds: float) -> bool:
     return True
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
+    """All ranks of ``group`` (the default group if None) reach this point."""
     if is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 _on_destroy: list = []

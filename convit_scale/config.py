@@ -507,14 +507,21 @@ class CheckpointConfig:
     """Keep the newest K complete checkpoints."""
     resume: str = "auto"
     """'auto' = newest complete checkpoint in output_dir/checkpoints if any, 'none', or a path."""
-    every_minutes: float | None = None
+    every_minutes: float | Literal["auto"] | None = None
     """Also save once this many minutes passed since the last save (rank 0's clock, agreed in the step's reduction:
-    every rank saves after the same step); None = by steps and epochs only. `convit-scale plan --mtbf-hours`
-    suggests a value (the Young/Daly interval)."""
+    every rank saves after the same step); None = by steps and epochs only; 'auto' = the Young/Daly interval that
+    `convit-scale plan` advises, for the job's ranks and the save time measured in the run folder (cadence.py)."""
+    async_save: bool = False
+    """Write checkpoints beside training: the step pays for the copy of the state to host memory, the files are
+    written, listed and published (``latest``) by a background thread once every rank's write completed; the next
+    save, a stop and the end wait for it (at most one save in flight). DDP and FSDP2 (torch.distributed.checkpoint's
+    async_save); ZeRO saves at once and refuses it (docs/failures.md says why)."""
 
     def validate(self, fail) -> None:
-        if self.every_minutes is not None and not self.every_minutes > 0:
-            fail("checkpoint.every_minutes", self.every_minutes, "must be > 0, or null")
+        if not isinstance(self.async_save, bool):
+            fail("checkpoint.async_save", self.async_save, "must be true or false")
+        if self.every_minutes not in (None, "auto") and not self.every_minutes > 0:
+            fail("checkpoint.every_minutes", self.every_minutes, "must be > 0, 'auto' or null")
         if self.keep_last < 1:
             fail("checkpoint.keep_last", self.keep_last, "must be >= 1")
         if self.every_epochs < 1:
@@ -677,6 +684,9 @@ class Config:
             getattr(self, f.name).validate(fail)
         if self.model.distill_token and not self.distill.enabled:
             fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
+        if self.checkpoint.async_save and self.parallel.strategy.startswith("zero"):
+            fail("checkpoint.async_save", True, f"parallel.strategy {self.parallel.strategy} saves at once "
+                 f"(DeepSpeed's engine writes its own files); set checkpoint.async_save=false, or use ddp or fsdp2")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

@@ -188,7 +188,11 @@ def _process_gone(lease: dict, me: dict) -> bool:
         return True
     except PermissionError:  # another user's live process
         return False
-    return False
+    try:  # a killed holder whose parent died too stays a zombie where nothing reaps orphans (a container's init)
+        state = Path(f"/proc/{lease['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
 
 
 def lease_verdict(out: Path, stale_s: float, now: float | None = None) -> tuple[str, dict | None, str]:

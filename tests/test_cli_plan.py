@@ -2,9 +2,12 @@
 the recommended layout, and the Slurm jobs on it."""
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
+from convit_scale.cadence import advice, every_minutes_of, save_s_of
 from convit_scale.cli import main
 from convit_scale.cli.plan import cpus_per_gpu, slurm_job_of, slurm_jobs
 from convit_scale.config import load_config
@@ -60,6 +63,10 @@ def test_plan_of_the_4x8_job(one_cpu, capsys):
         assert f"│ {layout} " in out
     assert "recommended: fsdp2 no-reshard, the recipe's layout:" in out
     assert "NVLink 4 360 GB/s, network 40 GB/s (data sheet: 450 and 50" in out
+    advised = re.search(r"checkpoints: checkpoint\.every_minutes=(\d+) \(Young/Daly", out).group(1)
+    job = next(line for line in out.splitlines() if line.startswith("the job: "))  # saves and evaluations counted
+    assert re.search(r"300 evaluations \d+\.\d%.* 301 saves \d+\.\d%", job), job
+    assert f"every {advised} min by time (checkpoint.every_minutes=auto: the advice above" in job
     assert main(["plan", "--recipe", "recipes/table1/convit_base_plus.yaml", "--gpu", "h200-141gb",
                  "--inter-gbytes-per-s", "100", "parallel.reshard_after_forward=true"]) == 0
     out = capsys.readouterr().out
@@ -120,3 +127,17 @@ def test_slurm_jobs_table_from_any_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--slurm-jobs", "--gpu", "h200-141gb"]) == 0
     assert "convit_b_plus.sh" in capsys.readouterr().out
+
+
+def test_the_gpu_recipes_save_at_the_interval_plan_advises():
+    """Every recipe that saves beside training (the GPU recipes) saves by time at `plan`'s Young/Daly advice for its
+    Slurm job's GPUs (checkpoint.every_minutes: auto), the interval the run resolves at set-up."""
+    gpu_recipes = [p for p in sorted(Path("recipes").rglob("*.yaml")) if p.parent.name not in ("cpu", "accelerate")
+                   and load_config(p).checkpoint.async_save]
+    assert len(gpu_recipes) > 30
+    for path in gpu_recipes:
+        cfg, job = load_config(path), slurm_job_of(str(path))
+        gpus = job.nodes * job.gpus_per_node if job else 8
+        assert cfg.checkpoint.every_minutes == "auto", path
+        advised = advice(save_s_of(cfg.run.output_dir), gpus)["every_minutes"]
+        assert every_minutes_of(cfg.checkpoint.every_minutes, cfg.run.output_dir, gpus) == advised, path

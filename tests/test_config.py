@@ -86,6 +86,8 @@ def test_a_run_of_another_model_is_not_set_beside_the_recipes_paper_row():
     ("parallel: {strategy: fsdp2, precision: fp16}\n",
      "parallel.precision = 'fp16' is not allowed; fsdp2 trains in fp32 or bf16"),
     ("fault: {nccl_trace_entries: -1}\n", "fault.nccl_trace_entries = -1 is not allowed; must be >= 0"),
+    ("parallel: {strategy: zero2}\ncheckpoint: {async_save: true}\n",
+     "checkpoint.async_save = True is not allowed; parallel.strategy zero2 saves at once"),
 ])
 def test_bad_values_are_refused_naming_key_and_file(tmp_path, text, needle):
     f = _write(tmp_path / "bad.yaml", text)

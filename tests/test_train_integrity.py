@@ -160,8 +160,11 @@ def test_a_full_file_system_ends_the_save_in_one_line_with_the_earlier_checkpoin
         ckpt = root / "step_000000002"
         assert not check_listing(ckpt, json.loads((ckpt / "meta.json").read_text())["files"])
         shutil.rmtree(root / "step_000000001")  # room again: the run resumes from its newest
-        assert train_here(r, "schedule.max_steps=3", "checkpoint.keep_last=1") == 0
-        assert f"resumed from {ckpt} at step 2" in capsys.readouterr().out
+        assert train_here(r, "schedule.max_steps=3", "checkpoint.keep_last=1", "checkpoint.every_minutes=auto") == 0
+        said = capsys.readouterr().out
+        assert f"resumed from {ckpt} at step 2" in said
+        assert "checkpoint.every_minutes=auto, checkpoints: checkpoint.every_minutes=" in said  # resolved at set-up
+        assert f"s per save, measured in {out}" in said  # from the saves of the earlier start
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -187,6 +190,11 @@ def test_a_save_the_file_system_refuses_is_one_line_and_leaves_nothing_half_writ
         err = _errors(capsys.readouterr().err)
         assert len(err) == 1 and "checkpoint at step 2 into" in err[0] and "the save failed: no space left" in err[0]
         assert f"the last good checkpoint is {root / 'step_000000001'} (intact)" in err[0], err
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]
+        assert train_here(r, "schedule.max_steps=2", "checkpoint.async_save=true") == EXIT_STORAGE  # written beside
+        err = _errors(capsys.readouterr().err)  # training: the same line, raised where the run waits for the save
+        assert len(err) == 1 and "checkpoint at step 2 into" in err[0] and "the save failed: no space left" in err[0]
+        assert "step_000000002.tmp/dcp/" in err[0]  # met by the background write
         assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]
         subprocess.run(["mount", "-o", "remount,nr_inodes=100000", str(mnt)], check=True)
         ro = tmp_path / "ro"

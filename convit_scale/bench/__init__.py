@@ -1,5 +1,5 @@
-"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal|gate`: the numbers in BENCHMARKS.md,
-measured side by side.
+"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal|gate|saves`: the numbers in
+BENCHMARKS.md, measured side by side.
 
 Every benchmark runs its candidates in the same command, on the same inputs, and reports ratios to a
 reference measured in that run. Each candidate runs in a fresh subprocess (``python -m convit_scale.bench
@@ -67,6 +67,11 @@ def _run(args) -> dict:
         return bench_universal(out / "universal_work", args.model, args.img_size,
                                [int(w) for w in (args.worlds or "2").split(",")],
                                (args.strategies or "zero2,zero3").split(","))
+    if args.what == "saves":
+        from .saves import bench_saves
+
+        return bench_saves(out / "saves_work", args.model, args.img_size, int((args.worlds or "2").split(",")[0]),
+                           (args.strategies or "ddp,fsdp2,zero2").split(","), args.steps, 2, args.rounds)
     if args.what == "gate":
         from .gate import bench_gate
 

@@ -104,7 +104,43 @@ def _cmd_plan(args) -> int:
     _print_links(args.gpu, links)
     _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
     _say(advice_line(cfg.run.output_dir, nodes * gpus, args.mtbf_hours))
+    _print_job_time(cfg, args, nodes, gpus, links, cpus)
     return 0
+
+
+def _print_job_time(cfg, args, nodes: int, gpus: int, links, cpus) -> None:
+    """The job's wall-clock beside its steps: the saves the recipe makes (by epochs, and by time at its
+    checkpoint.every_minutes, 'auto' being the advice above), its evaluations and per-epoch analyses (forward passes
+    at the MFU), and the share of each."""
+    from ..cadence import every_minutes_of, job_time, save_s_of
+    from ..hardware import GPUS
+    from ..planner import model_facts, plan
+
+    own = next(r for r in plan(cfg, nodes, gpus, args.gpu, args.mfu, links=links, cpus_per_gpu=cpus)
+               if r["recipe_layout"])
+    if own["micro_batch"] is None:
+        return
+    ck, world = cfg.checkpoint, nodes * gpus
+    every = every_minutes_of(ck.every_minutes, cfg.run.output_dir, world, args.mtbf_hours)
+    forward_s = model_facts(cfg).fwd_flops_per_image / (GPUS[args.gpu].peak_tflops * 1e12 * args.mfu * world)
+    evals = cfg.schedule.epochs // cfg.run.eval_every_epochs
+    t = job_time(own["wall_clock_h"] * 3600, cfg.schedule.epochs, ck.every_epochs, every, evals,
+                 VAL_IMAGES_PER_CLASS * cfg.model.num_classes * forward_s, cfg.log.analysis_images * forward_s,
+                 save_s_of(cfg.run.output_dir))
+    how = f"every {ck.every_epochs} epoch(s)" if ck.every_epochs else "by time only"
+    timed = (f", every {every:.0f} min by time (checkpoint.every_minutes={ck.every_minutes}"
+             f"{': the advice above' if ck.every_minutes == 'auto' else ''}; {t['timed_saves']} such saves)"
+             if every else "")
+    share, secs = t["share"], t["seconds"]
+    _say(f"the job: {t['total_s'] / 3600:.1f} h wall-clock at the recipe's layout: steps {share['train']:.1%}, "
+         f"{t['evaluations']} evaluations {share['evaluation']:.1%} ({secs['evaluation'] / 60:.0f} min), per-epoch "
+         f"analyses {share['analysis']:.1%}, {t['saves']} saves {share['saves']:.1%} ({secs['saves'] / 3600:.1f} h at "
+         f"the save time above; the recipe saves {how}{timed}, and at the end"
+         f"{', beside training: the time is what a save holds the step' if ck.async_save else ''})")
+
+
+VAL_IMAGES_PER_CLASS = 50
+"""ImageNet's validation split: 50 images per class (50,000 for 1,000 classes)."""
 
 
 def _print_plan(cfg, args, nodes: int, gpus: int, links, cpus) -> None:

@@ -130,6 +130,12 @@ class Strategy:
     def save(self, directory: Path) -> None:
         raise NotImplementedError
 
+    def save_async(self, directory: Path):
+        """Start a save whose files are written beside training (``checkpoint.async_save``); returns a future of the
+        write (its ``result()`` waits). Only the strategies that have one (DDP, FSDP2): the config refuses it for
+        the others."""
+        raise NotImplementedError(f"strategy {self.name} has no save beside training (checkpoint.async_save)")
+
     def load(self, directory: Path, saved_world_size: int) -> None:
         """Load the state ``save`` wrote into ``directory`` on ``saved_world_size`` ranks (any world size may load
         it: the strategies reshard)."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .. import comm
@@ -14,6 +15,10 @@ from .. import comm
 
 class DCPStateMixin:
     scaler: torch.amp.GradScaler | None = None
+    save_group = None
+    """The gloo group of the background saves' collectives (made at the first one)."""
+    _writer: FileSystemWriter | None = None
+    """The background saves' writer, which keeps their staging buffers (one save in flight at a time)."""
 
     def _state(self):
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
@@ -21,8 +26,24 @@ class DCPStateMixin:
 
     def save(self, directory: Path) -> None:
         dcp.save(self._state(), checkpoint_id=str(directory / "dcp"))
+        self._save_scaler(directory)
+
+    def _save_scaler(self, directory: Path) -> None:
         if self.scaler is not None and comm.rank() == 0:  # the same on every rank
             torch.save(self.scaler.state_dict(), directory / "grad_scaler.pt")
+
+    def save_async(self, directory: Path):
+        """DCP's ``async_save``: the state is copied to host memory here (into pinned buffers kept from one save to
+        the next on GPUs, as torchtitan stages); the files are written by a background thread, whose collectives go
+        through a gloo group of their own (under NCCL the step's collectives go on). Returns the future of the
+        write."""
+        if self.save_group is None and comm.is_initialized():  # a collective: every rank reaches its first save
+            self.save_group = torch.distributed.new_group(backend="gloo")
+        if self._writer is None:  # pinned staging needs CUDA; on the CPU each save copies into fresh memory
+            self._writer = FileSystemWriter(str(directory / "dcp"), cache_staged_state_dict=torch.cuda.is_available())
+        self._save_scaler(directory)
+        return dcp.async_save(self._state(), checkpoint_id=str(directory / "dcp"), storage_writer=self._writer,
+                              process_group=self.save_group)
 
     def load(self, directory: Path, saved_world_size: int | None = None) -> None:
         state = self._state()  # DCP reshards: any saved world size loads

@@ -15,6 +15,8 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -191,10 +193,16 @@ def _step_of(path: Path) -> int:
     return int(name[len(PREFIX):]) if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() else -1
 
 
-def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
+def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background: bool = False) -> Path:
     """Every rank calls this; rank 0 publishes and prunes. A save that would not fit, or that the file system
     refuses (no space, a quota, a read-only or forbidden folder), raises :class:`StorageError` on every rank, with
-    nothing published: the earlier checkpoints stay as they were."""
+    nothing published: the earlier checkpoints stay as they were.
+
+    With ``background`` (DDP and FSDP2), the step pays for the copy of the state into host memory; the files are
+    written, listed (sizes and checksums) and published by a thread of each rank once every rank's write completed,
+    its collectives through the strategy's gloo save group: a crash or a kill before then leaves ``latest`` on the
+    previous checkpoint. Its failure raises at the next save, the stop save or the end (:func:`wait_for_save`)."""
+    wait_for_save()  # at most one save in flight: the previous one is published, or its error raised, first
     rank = comm.rank()
     final = root / f"{PREFIX}{meta['step']:09d}"
     tmp = root / (final.name + ".tmp")
@@ -209,35 +217,108 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int) -> Path:
         except OSError as e:
             error = storage_phrase(e)
     raise_storage(comm.broadcast_object(error), root, tmp, need, meta["step"])
+    future = None
     try:
-        strategy.save(tmp)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        future = strategy.save_async(tmp) if background else strategy.save(tmp)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; any but a storage failure re-raises
         error = storage_phrase(e)
         if error is None:
             raise
     raise_storage(next((e for e in comm.all_gather_object(error) if e), None), root, tmp, need, meta["step"])
-    files = gather_listing(tmp)
-    if rank == 0:
+    if background:
+        flight = _InFlight(target=_write_then_publish, name=f"checkpoint-{final.name}",
+                           args=(future, strategy.save_group, root, tmp, final, meta, keep_last, need))
+        _IN_FLIGHT.append(flight)
+        flight.start()
+        return final
+    _list_and_publish(root, tmp, final, meta, keep_last, need)
+    return final
+
+
+def _list_and_publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last: int, need: int, group=None) -> None:
+    """Every rank of ``group`` (the process group if None), once every rank's files are in ``tmp``: the listing,
+    each rank reading its share, then rank 0's publication; a storage failure raises on every rank."""
+    files = gather_listing(tmp, group)
+    error = None
+    if comm.rank() == 0:
         try:
             publish_checkpoint(root, tmp, final, meta, files, keep_last)
         except OSError as e:
             error = storage_phrase(e)
             if error is None:
                 raise
-    raise_storage(comm.broadcast_object(error), root, tmp, need, meta["step"])
-    return final
+    raise_storage(comm.broadcast_object(error, group=group), root, tmp, need, meta["step"])
 
 
 def publish_checkpoint(root: Path, tmp: Path, final: Path, meta: dict, files: dict | None, keep_last: int) -> None:
     """Rank 0, once every rank's files are in ``tmp``: meta.json (with the listing of the files, sizes and checksums:
     ``listing`` computes it where no listing was gathered), the atomic publication, ``latest``, pruning."""
     files = listing(tmp) if files is None else files
+    slow = os.environ.get(_SLOW_PUBLISH_ENV, "")  # tests: "STEP:SECONDS", a kill lands between write and publication
+    if slow and int(slow.split(":")[0]) == meta["step"]:
+        time.sleep(float(slow.split(":")[1]))
     (tmp / META).write_text(json.dumps({**meta, "files": files}, indent=1))
     publish_dir(tmp, final)
     write_atomic(root / LATEST, final.name + "\n")
     for stale in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+_SLOW_PUBLISH_ENV = "CONVIT_SCALE_TEST_SLOW_PUBLISH"
+
+
+class _InFlight(threading.Thread):
+    """The thread that waits for a save's write and publishes it; ``error`` is what ended it, if anything."""
+
+    error: BaseException | None = None
+
+    def run(self):
+        try:
+            super().run()
+        except BaseException as e:  # re-raised on the training thread by wait_for_save
+            self.error = e
+
+
+_IN_FLIGHT: list[_InFlight] = []
+"""The save being written (one at most)."""
+
+
+def _write_then_publish(future, group, root: Path, tmp: Path, final: Path, meta: dict, keep_last: int,
+                        need: int) -> None:
+    """The background thread of every rank: wait for this rank's write, agree with the others (through ``group``)
+    that every write completed, then list and publish as a save at once does. A write that failed on any rank
+    publishes nothing on any: a storage failure is the same :class:`StorageError` everywhere."""
+    failure = None
+    try:
+        if future is not None:
+            future.result()
+    except BaseException as e:
+        failure = e
+    storage = None if failure is None else storage_phrase(failure)
+    other = None if failure is None or storage else f"rank {comm.rank()}: {type(failure).__name__}: {failure}"[:300]
+    outcomes = comm.all_gather_object((storage, other), group)
+    raise_storage(next((s for s, _ in outcomes if s), None), root, tmp, need, meta["step"])
+    if failure is not None:
+        raise failure
+    if any(o for _, o in outcomes):
+        raise RuntimeError(f"the background save of step {meta['step']} failed on "
+                           f"{next(o for _, o in outcomes if o)}; nothing was published")
+    _list_and_publish(root, tmp, final, meta, keep_last, need, group)
+
+
+def save_in_flight() -> bool:
+    return any(t.is_alive() for t in _IN_FLIGHT)
+
+
+def wait_for_save() -> None:
+    """Wait until the save in flight, if any, is written and published (every rank calls this: the next save, a
+    stop, the end, or the way out of a failed run); its error, if it failed, raises here."""
+    while _IN_FLIGHT:
+        flight = _IN_FLIGHT.pop()
+        flight.join()
+        if flight.error is not None:
+            raise flight.error
 
 
 def save_best(root: Path, state: dict | None, meta: dict) -> Path:

@@ -21,7 +21,7 @@ from ..errors import BadInput
 from ..runfolder import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_STORAGE, FolderHeld, release_lease
 from .distributed import init_distributed, set_flight_recorder
 from .integrity import StorageError
-from .loop import fit
+from .loop import fit, settle_saves
 from .setup import log, setup
 from .signals import EXIT_REQUEUE, StopSignal
 from .step import NonFiniteLoss
@@ -69,6 +69,7 @@ def train(cfg: Config) -> str:
             outcome = fit(run, state)
             return outcome
         finally:
+            settle_saves(run, failing=sys.exc_info()[1] is not None)
             run.metrics.close()
             run.strategy.close()
     except BaseException as e:

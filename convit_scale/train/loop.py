@@ -17,7 +17,7 @@ import time
 from .. import comm, evaluation, faults, jpeg_roi
 from ..analysis.during_training import epoch_analysis
 from ..data import device_images
-from .checkpoint import save_best, save_checkpoint
+from .checkpoint import save_best, save_checkpoint, wait_for_save
 from .debug import checksum, state_digest
 from .memory import peak_memory_mb
 from .progress import Progress
@@ -132,14 +132,32 @@ def long_phase(run: Run, phase: str):
 
 
 def save(run: Run, state: TrainState, reason: str):
+    """A checkpoint; beside training (checkpoint.async_save) for the periodic ones, at once for the end and a stop
+    (both wait for the save in flight first). ``save_s`` is the time the step was held."""
+    background = run.cfg.checkpoint.async_save and reason not in ("end", "signal")
     t0 = time.time()
     with long_phase(run, SAVE):
-        path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last)
+        path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last,
+                               background=background)
     seconds = time.time() - t0
     state.meters.last_save_time = time.monotonic()
-    run.metrics.write({"kind": "checkpoint", "step": state.step, "reason": reason, "save_s": round(seconds, 3)})
-    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s)")
+    run.metrics.write({"kind": "checkpoint", "step": state.step, "reason": reason, "save_s": round(seconds, 3),
+                       "background": background})
+    log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s"
+                 f"{', written beside training' if background else ''})")
     return path
+
+
+def settle_saves(run: Run, failing: bool) -> None:
+    """The way out of ``fit``, on every path: wait for the save in flight (published once every rank's write
+    completed). When the run is already failing, that save's own failure is logged, not raised: the run's error is
+    the one reported."""
+    try:
+        wait_for_save()
+    except BaseException as e:
+        if not failing:
+            raise
+        log(run.ctx, f"the checkpoint being written beside training was not published: {type(e).__name__}: {e}")
 
 
 def save_and_stop(run: Run, state: TrainState) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import comm, jpeg_roi
+from ..cadence import advice_line, every_minutes_of
 from ..config import Config, model_options, shares_note
 from ..data import DataError, Loader, LoaderSpec, build_loader
 from ..data.device_augment import DeviceAugmentConfig, augment_on_device, handover_of
@@ -64,6 +65,8 @@ class Run:
     """Set: train batches are uint8 crops, augmented on the device from each sample's seed."""
     watch: Watchdog | None = None
     """This rank's watchdog (watchdog.py): the loop marks its phases in it."""
+    every_minutes: float | None = None
+    """checkpoint.every_minutes, resolved ('auto': cadence.every_minutes_of)."""
     device_bad: dict = field(default_factory=dict)
     """Epoch -> the views no decoder read in the training device's decode (every rank's), against
     data.max_bad_samples (the loaders count their own)."""
@@ -214,8 +217,11 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
                             wandb=wandb_options(cfg.log, cfg.run.output_dir, cfg.to_dict())), stop,
               faults=Faults.from_env(ctx.rank), teacher=teacher,
               device_augment=device_augment_config(cfg.data) if on_device else None,
-              watch=watch or Watchdog.for_run(cfg.fault, out, ctx.rank, ctx.world_size, ctx.backend))
+              watch=watch or Watchdog.for_run(cfg.fault, out, ctx.rank, ctx.world_size, ctx.backend),
+              every_minutes=every_minutes_of(cfg.checkpoint.every_minutes, out, ctx.world_size))
     run.watch.track(DeviceProgress.on(ctx.device))  # what the GPU finished, in each heartbeat (step.py marks it)
+    if cfg.checkpoint.every_minutes == "auto":
+        log(ctx, f"checkpoint.every_minutes=auto, {advice_line(out, ctx.world_size)}")
     if teacher is not None:
         check_teacher(teacher, cfg, val_loader, ctx)
     m = state.meters

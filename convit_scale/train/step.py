@@ -122,7 +122,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats.add("grad_sq", strategy.grad_square_sum())
     stats.add("stop", float(run.stop.requested))
     stats.add("bad_samples", float(len(bad_samples)))  # gathered below only when some rank has any
-    stats.add("save_due", float(ctx.is_main and state.meters.save_due(cfg.checkpoint.every_minutes)))
+    stats.add("save_due", float(ctx.is_main and state.meters.save_due(run.every_minutes)))
     stats.add("log_due", float(ctx.is_main and state.meters.log_due(cfg.log.every_seconds)))
     watch.mark(REDUCE)
     totals = stats.reduce()
