@@ -4,6 +4,7 @@ pageable copies, CPU tensors handed to collectives and device mismatches."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -24,7 +25,8 @@ def run_dry(cfg, args, nodes: int, gpus: int) -> int:
     if not args.json:
         print(f"dry run: {args.steps} step(s) and an evaluation of {cfg.model.name} ({cfg.parallel.strategy}) on "
               f"{nodes} x {gpus} simulated GPUs, in this process", flush=True)
-    result = summary(dry_run(cfg, nodes, gpus, steps=args.steps), cfg, args.gpu)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # the run's log lines
+        result = summary(dry_run(cfg, nodes, gpus, steps=args.steps), cfg, args.gpu)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

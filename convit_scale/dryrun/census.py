@@ -33,6 +33,8 @@ HERE = Path(__file__).resolve().parent
 aten = torch.ops.aten
 LIBRARY_PLUMBING = ("/torch/", "/deepspeed/accelerator/", "/deepspeed/comm/")
 """Library frames that only pass a call on: the origin of an event is the first frame outside them."""
+NO_DATA = (torch.ops.c10d.barrier.default,)
+"""Collectives that move no data of the caller's (a barrier's token is the backend's)."""
 SMALL = 1 << 16
 """Integer host tensors up to this many elements copied to the device keep their values for a read back
 (``Route._value``)."""
@@ -178,7 +180,7 @@ class Route(TorchDispatchMode):
 
     def _collective(self, func, flat) -> None:
         host = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)]
-        if host and not any(fs.name in OBJECT_COLLECTIVES for fs in traceback.extract_stack()):
+        if host and func not in NO_DATA and not any(fs.name in OBJECT_COLLECTIVES for fs in traceback.extract_stack()):
             self.census.add("cpu collective", f"c10d.{func._opname}")
 
     def _on_device(self, func, flat, args, kwargs):
@@ -228,11 +230,12 @@ class Route(TorchDispatchMode):
         """A copy of a device tensor into host memory: a host wait when blocking; the host copy holds zeros."""
         if func is aten._to_copy.default and isinstance(args[0], FakeTensor) and args[0].device.type == "cuda" \
                 and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
-            if not kwargs.get("non_blocking", False):
+            if not (kwargs.get("non_blocking", False) and kwargs.get("pin_memory", False)):  # into pageable memory
                 self.census.read("a blocking device-to-host copy (.cpu(), .to('cpu'), .tolist())")
             return self._value(args[0], kwargs.get("dtype"))
         if func is aten.copy_.default and not isinstance(args[0], FakeTensor) and isinstance(args[1], FakeTensor):
-            if not (len(args) > 2 and args[2]) and not kwargs.get("non_blocking", False):
+            non_blocking = (len(args) > 2 and args[2]) or kwargs.get("non_blocking", False)
+            if not (non_blocking and self._is_pinned(args[0])):  # into pageable memory, CUDA waits whatever asked
                 self.census.read("a blocking device-to-host copy (copy_)")
             return args[0].copy_(self._value(args[1], None))
         return None

@@ -264,7 +264,7 @@ def _has_deepspeed() -> bool:
 @contextlib.contextmanager
 def simulated_gpus(world: int, gpus_per_node: int, census: Census):
     """This process as rank 0 of ``world`` simulated GPUs (``gpus_per_node`` per node) until the block ends."""
-    native = load()
+    native, device_before = load(), comm.device()
     patches, cuda = Patches(), cuda_answers(gpus_per_node, census)
     lift, swap = torch._C._only_lift_cpu_tensors(), torch.__future__.get_swap_module_params_on_conversion()
     try:
@@ -288,6 +288,7 @@ def simulated_gpus(world: int, gpus_per_node: int, census: Census):
             finally:
                 comm.destroy()  # and DeepSpeed's references to the group
     finally:
+        comm.set_device(device_before)  # the communication device init_distributed chose, put back
         torch._C._set_only_lift_cpu_tensors(lift)
         torch.__future__.set_swap_module_params_on_conversion(swap)
         patches.undo()

@@ -17,6 +17,22 @@ TRUST = ("the measured peak: it is the live tensors of the recipe's own step (th
 WARMUP_STEPS = 2
 """Steps left out of the per-step census: the first (lazy set-up, the device constants) and the second, where DDP
 rebuilds its gradient buckets once (a pageable copy and a blocking read)."""
+DEEPSPEED_WAITS = {
+    "zero1": [("torch.cuda.synchronize", "deepspeed/runtime/zero/stage_1_and_2.py: "
+               "independent_gradient_partition_epilogue", 1.0)],
+    "zero2": [("torch.cuda.synchronize", "deepspeed/runtime/zero/stage_1_and_2.py: "
+               "independent_gradient_partition_epilogue", 1.0)],
+    "zero3": [("torch.cuda.Stream.synchronize", "deepspeed/runtime/zero/stage3.py: "
+               "independent_gradient_partition_epilogue", 1.0),
+              ("a host read of a device value (.item(), bool(), .tolist(), float())",
+               "deepspeed/runtime/utils.py: is_invalid_grad_norm", 1.0),
+              ("torch.cuda.synchronize", "deepspeed/runtime/zero/partition_parameters.py: "
+               "_allgather_params_coalesced", 1.0)],
+}
+"""The host waits per step DeepSpeed 0.19.8 keeps whatever the project's settings (docs/gpu.md), beside the step's own
+read, as (what, origin, per step): ZeRO-1/2 synchronise the device at the end of backward (the gradient reduction's
+epilogue); ZeRO-3 synchronises its reduction stream there, reads whether the norm is finite on the host and
+synchronises when it gathers parameters for the step. Measured by ``plan --dry-run`` (tests/test_dryrun.py)."""
 KINDS = {"host wait": "host_waits", "pageable copy": "pageable_copies", "cpu collective": "cpu_collectives"}
 """The census's kinds and their keys in the summary."""
 
