@@ -20,7 +20,7 @@ The layers, from the ground up (a module imports modules of lower layers and of 
 7. evaluation, the planner and cadence (the checkpoint interval), over data and strategies;
 8. analysis (which evaluates);
 9. train (which evaluates and analyses every epoch);
-10. bench, experiments and the rehearsal (which train);
+10. bench, experiments, the rehearsal and the dry run (which train);
 11. cli, the command.
 A new module is placed in one of them here, or this test fails; docs/architecture.md's layer table lists the same
 units in the same layers (``test_the_architecture_docs_layer_table_is_layers``).
@@ -49,7 +49,7 @@ LAYERS = [
     ["convit_scale.evaluation", "convit_scale.planner", "convit_scale.cadence"],
     ["convit_scale.analysis"],
     ["convit_scale.train"],
-    ["convit_scale.bench", "convit_scale.experiments", "convit_scale.rehearsal"],
+    ["convit_scale.bench", "convit_scale.experiments", "convit_scale.rehearsal", "convit_scale.dryrun"],
     ["convit_scale.cli"],
 ]
 PACKAGE_FACE = "convit_scale"  # convit_scale/__init__.py re-exports the public names

@@ -87,6 +87,10 @@ def _cmd_plan(args) -> int:
     from ..config import load_config
     from ..planner import Links
 
+    if not args.dry_run and (args.json or args.steps is not None):
+        raise BadInput("--json and --steps are options of --dry-run (the simulated run); add --dry-run")
+    if args.dry_run and args.slurm_jobs:
+        raise BadInput("--dry-run simulates one recipe's job: pass --recipe, not --slurm-jobs")
     links = Links.of(args.gpu, args.intra_gbytes_per_s, args.inter_gbytes_per_s)
     if args.slurm_jobs:
         if args.nodes or args.gpus_per_node:
@@ -100,6 +104,10 @@ def _cmd_plan(args) -> int:
     if job and not args.nodes and not args.gpus_per_node:
         _say(f"the job's shape from slurm/{job.path.name}: {job.nodes} node(s) x {job.gpus_per_node} GPUs")
     check_shape(cfg, nodes, gpus)
+    if args.dry_run:
+        from .dryrun import run_dry
+
+        return run_dry(cfg, args, nodes, gpus)
     _print_plan(cfg, args, nodes, gpus, links, cpus)
     _print_links(args.gpu, links)
     _print_loader(cfg, args, nodes * gpus, cpus, cpus_from)
@@ -328,5 +336,12 @@ def register(sub) -> None:
     p.add_argument("--mtbf-hours", type=positive_float, default=None,
                    help="the job's mean time between failures in hours, for the checkpoint interval (default: 7.9 h "
                         "at 1,024 GPUs, Meta's clusters, scaled to the job's GPUs)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the recipe's own training step (a few steps, then an evaluation) on simulated GPUs at "
+                        "this world size in this process: the peak memory per rank beside the model, the host waits "
+                        "per step, pageable copies, CPU tensors in collectives, device mismatches (docs/planning.md)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="with --dry-run: training steps (default 4; the census counts those after the first two)")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the figures as JSON")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.global_batch_size=2048")
     p.set_defaults(func=_cmd_plan)

@@ -100,7 +100,7 @@ def _mixup(cfg: Config) -> GroupMixup | None:
     return GroupMixup(d, cfg.model.num_classes, d.global_batch_size // d.groups, d.groups, cfg.run.seed)
 
 
-def _loaders(cfg: Config, ctx: DistContext, micro: int) -> tuple[Loader, Loader | None]:
+def _loaders(cfg: Config, ctx: DistContext, micro: int, build=build_loader) -> tuple[Loader, Loader | None]:
     img_size = cfg.model.img_size or MODELS[cfg.model.name].img_size
     pin, on_device = ctx.device.type == "cuda", augment_on_device(cfg.data, ctx.device)
     handover = handover_of(cfg.data, ctx.device)
@@ -110,8 +110,8 @@ def _loaders(cfg: Config, ctx: DistContext, micro: int) -> tuple[Loader, Loader 
                           augment_on_device=on_device, handover=handover if split == "train" else "pixels",
                           global_batch_size=cfg.data.global_batch_size, canonical_groups=cfg.data.groups)
 
-    train_loader = build_loader(cfg.data, spec("train", micro))
-    val_loader = build_loader(cfg.data, spec("val", cfg.data.eval_batch_size)) if cfg.data.val_path else None
+    train_loader = build(cfg.data, spec("train", micro))
+    val_loader = build(cfg.data, spec("val", cfg.data.eval_batch_size)) if cfg.data.val_path else None
     return train_loader, val_loader
 
 
@@ -179,7 +179,9 @@ def write_resolved(cfg: Config) -> Path:
     return write_atomic(out / "config.yaml", cfg.to_yaml())
 
 
-def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | None = None) -> tuple[Run, TrainState]:
+def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | None = None,
+          build=build_loader) -> tuple[Run, TrainState]:
+    """``build``: (data config, LoaderSpec) -> the loader of a split (the dry run's batches in place of the data's)."""
     out = Path(cfg.run.output_dir)
     micro, accum = check_world(cfg, ctx.world_size)
     lr = peak_lr(cfg.optim.base_lr, cfg.data.global_batch_size, cfg.optim.lr_reference_batch)
@@ -196,7 +198,7 @@ def setup(cfg: Config, ctx: DistContext, stop: StopSignal, watch: Watchdog | Non
              f"lr {lr:.3g} = {cfg.optim.base_lr:g} x {cfg.data.global_batch_size}/{cfg.optim.lr_reference_batch}")
     if note:  # every rank runs `accum` micro-batches; the loss is weighted by the samples each holds (step.py)
         log(ctx, note)
-    train_loader, val_loader = _loaders(cfg, ctx, micro)
+    train_loader, val_loader = _loaders(cfg, ctx, micro, build)
     steps_per_epoch, total_steps = _schedule_length(cfg, train_loader, accum)
     strategy, base_mem = _strategy(cfg, ctx, micro, accum, lr)
     if strategy.layout_note:
