@@ -27,6 +27,7 @@ def test_wheel_ships_every_package_and_recipe(tmp_path):
     assert [p for p in packages if f"{p}/__init__.py" not in names] == [], "add the package to pyproject.toml"
     assert "convit_scale/cli/__main__.py" in names
     assert [n for n in names if n.startswith("convit_scale/_jpeg_roi.") and n.endswith(".so")], "the C library"
+    assert "convit_scale/dryrun/driverless_cuda.cpp" in names  # plan --dry-run compiles it on first use
     # unpacked, the package finds its shipped recipes with no repository around it
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
