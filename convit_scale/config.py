@@ -499,8 +499,9 @@ class DistillConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_epochs: int = 1
-    """Save a checkpoint every this many epochs (and at the end and on a stop signal)."""
+    every_epochs: int | None = 1
+    """Save a checkpoint every this many epochs (and at the end and on a stop signal); None = not by epochs (the GPU
+    recipes: by time, ``every_minutes``)."""
     every_steps: int | None = None
     """Also save every this many steps; None = only per epoch."""
     keep_last: int = 3
@@ -524,8 +525,8 @@ class CheckpointConfig:
             fail("checkpoint.every_minutes", self.every_minutes, "must be > 0, 'auto' or null")
         if self.keep_last < 1:
             fail("checkpoint.keep_last", self.keep_last, "must be >= 1")
-        if self.every_epochs < 1:
-            fail("checkpoint.every_epochs", self.every_epochs, "must be >= 1")
+        if self.every_epochs is not None and self.every_epochs < 1:
+            fail("checkpoint.every_epochs", self.every_epochs, "must be >= 1, or null")
         if self.every_steps is not None and self.every_steps < 1:
             fail("checkpoint.every_steps", self.every_steps, "must be >= 1, or null")
 
