@@ -121,7 +121,19 @@ else
 fi
 [ "$RANK_CPUS" -ge 1 ] || RANK_CPUS=1
 [ "$STEP_CPUS" -ge 1 ] || STEP_CPUS=1
-export OMP_NUM_THREADS=$RANK_CPUS
+# OpenMP threads: the rank's CPUs, but never more than this node's cores give each of its ranks. Slurm's CPU count can
+# exceed the cores a node has (CPUs= configured above them, OverSubscribe): OpenMP's spinning threads then outnumber
+# the cores many times over and every rank's step waits on them. nproc: the cores this job may use on the node.
+ranks_on_node=$([ "$LAUNCHER" = torchrun ] && echo "$GPUS" || echo "$TASKS_PER_NODE")
+node_cores=$(nproc 2>/dev/null || echo $((RANK_CPUS * ranks_on_node)))
+fair_threads=$((node_cores / ranks_on_node))
+[ "$fair_threads" -ge 1 ] || fair_threads=1
+OMP_NUM_THREADS=$RANK_CPUS
+if [ "$fair_threads" -lt "$RANK_CPUS" ]; then
+    OMP_NUM_THREADS=$fair_threads
+    cpu_note="$cpu_note; OpenMP threads $fair_threads: $node_cores core(s) on this node for $ranks_on_node rank(s)"
+fi
+export OMP_NUM_THREADS
 
 echo "== convit-scale job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}"
 echo "== nodes $NODES, tasks/GPUs per node $GPUS, launcher $LAUNCHER, master $MASTER_ADDR:$MASTER_PORT"

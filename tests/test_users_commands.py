@@ -7,6 +7,7 @@ OVERRIDES to shrink the model, and a loopback rendezvous address (the cluster's 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_accelerate_launch_as_the_docs_give_it(imagenet_ffcv, tmp_path):
                                f"run.output_dir={out}", *SMALL])
     res = _shell(typed, {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "2 rank(s) on cpu (gloo, launched by accelerate)" in res.stdout
+    assert "strategy fsdp2 | 2 rank(s) on cpu (gloo, launched by accelerate)" in res.stdout  # the recipe's FSDP2
     assert "global batch 512" in res.stdout  # the recipe's, whatever launches it
     assert [r["step"] for r in records(out)] == [1, 2]
     assert "the paper's Table" not in res.stdout  # another model (SMALL) than the recipe's paper row
@@ -104,5 +105,9 @@ def test_sbatch_convit_b_plus_as_typed(fm_wds, tmp_path):
     assert info["JobState"] == "COMPLETED", text[-4000:]
     assert "== nodes 4, tasks/GPUs per node 8, launcher srun" in text
     assert "32 rank(s) on cpu" in text and "global batch 512 = micro 16 x accumulation 1 x world 32" in text
+    # 80 CPUs configured per node over this machine's few cores: each rank's share of the cores in OpenMP threads,
+    # not the 10 of --cpus-per-task (320 spinning threads on 2 cores)
+    cores = int(re.search(r"OpenMP threads \d+: (\d+) core\(s\) on this node for 8 rank\(s\)", text).group(1))
+    assert f"OMP_NUM_THREADS={max(1, cores // 8)}\n" in text and cores // 8 < 10
     assert [r["step"] for r in records(out)] == [1]
     assert records(out, "eval")[-1]["samples"] == 200  # the whole val split, once

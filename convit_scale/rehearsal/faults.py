@@ -39,6 +39,7 @@ from .run import (
     read_script,
     recipe_batch,
     run_uninterrupted,
+    saves_beside_training,
     steps_and_losses,
     submit,
     write_recipe,
@@ -169,7 +170,8 @@ def rehearse_faults(args, shape, parallel: dict) -> dict:
     data = prepare_data(out / "data", batch[0])
     extra = {"checkpoint": {"every_steps": 2, "keep_last": 4}, "fault": FAULT_SECTION,
              "data": {"num_workers": 1 if "worker" in kinds else 0}}
-    recipe = write_recipe(out / "recipe.yaml", data, out / "uninterrupted", parallel, args.steps, batch, extra=extra)
+    recipe = write_recipe(out / "recipe.yaml", data, out / "uninterrupted", parallel, args.steps, batch, extra=extra,
+                          async_save=saves_beside_training(shape, parallel))
     names = ["uninterrupted"] + [f"fault_{k}" for k in kinds]
     for name in names:
         shutil.rmtree(out / name, ignore_errors=True)

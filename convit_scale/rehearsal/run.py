@@ -119,6 +119,15 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
     return p
 
 
+def saves_beside_training(shape: JobShape, parallel: dict) -> bool:
+    """Whether the rehearsal's checkpoints are written beside training: as the script's recipe writes them
+    (``checkpoint.async_save``), where the layout can (ZeRO saves at once)."""
+    from convit_scale.config import find_recipe, load_config
+
+    ck = load_config(find_recipe(shape.recipe), []).checkpoint
+    return ck.async_save and not parallel["strategy"].startswith("zero")
+
+
 def recipe_batch(shape: JobShape) -> tuple[int, int]:
     """(global batch, canonical groups) of the script's own recipe: the rehearsal trains with them (any world size up
     to the groups, with unequal shares where the ranks do not divide them)."""
@@ -132,11 +141,12 @@ def recipe_batch(shape: JobShape) -> tuple[int, int]:
 
 
 def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, batch: tuple[int, int],
-                 extra: dict | None = None) -> Path:
+                 extra: dict | None = None, async_save: bool = False) -> Path:
     """The rehearsal's recipe: convit_nano on the Fashion-MNIST shards, with the script's recipe's ``batch`` (global
     batch, canonical groups; ``recipe_batch``): ConViT-B+'s 512 in 32 groups, 4 steps an epoch (``prepare_data``),
     on 32 ranks, then 24 after the requeue (8 ranks x 2 groups, 16 x 1). Every step logged, a checkpoint every
-    epoch, the script's recipe's parallel layout (``layout``)."""
+    epoch (written beside training with ``async_save``: ``saves_beside_training``), the script's recipe's parallel
+    layout (``layout``)."""
     import yaml
 
     from convit_scale.config import load_config
@@ -148,7 +158,7 @@ def write_recipe(path: Path, data: Path, out: Path, parallel: dict, steps: int, 
                  "canonical_groups": groups, "eval_batch_size": 50, "num_workers": 0, "repeated_aug": 1},
         "schedule": {"epochs": 20, "warmup_epochs": 1, "max_steps": steps},
         "parallel": parallel,
-        "checkpoint": {"every_epochs": 1, "keep_last": 4},
+        "checkpoint": {"every_epochs": 1, "keep_last": 4, "async_save": async_save},
         "log": {"every_steps": 1, "progress": False},
         "run": {"output_dir": str(out)},
     }
@@ -489,7 +499,8 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
     t0, load_before = time.time(), round(os.getloadavg()[0], 1)
     batch = recipe_batch(shape)
     data = prepare_data(out / "data", batch[0])
-    recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, batch)
+    recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, batch,
+                          async_save=saves_beside_training(shape, parallel))
     for name in ("interrupted", "uninterrupted"):
         shutil.rmtree(out / name, ignore_errors=True)
         (out / f"{name}.out").unlink(missing_ok=True)
