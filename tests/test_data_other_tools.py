@@ -276,6 +276,12 @@ def test_ffcv_field_names_are_set_by_the_recipe(fm_tree, tmp_path):
     batches = list(build_loader(d, LoaderSpec("val", 16, 50)).epoch(0))
     assert sum(len(b.labels) for b in batches) == 200
     assert batches[0].images.shape[1:] == (3, 16, 16) and batches[0].labels.tolist()[:3] == [0, 0, 0]
+    from data_prep import verify  # `prep verify --ffcv-fields`: its images decoded from the field named
+
+    assert verify(path, ffcv_fields=("img", "target")) == []
+    problems = verify(path, ffcv_fields=("weight", "target"))
+    assert len(problems) == 1 and "FFCV field 'weight' is a FloatField, not an RGBImageField; set data.ffcv_fields" \
+        in problems[0], problems
 
 
 def test_data_num_classes_keeps_the_first_labels_at_load_or_refuses_shards_converted_without(ffcv_imagenet, fm_tree,
