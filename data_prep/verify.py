@@ -3,9 +3,11 @@ counts, label range), and with a source tree, the manifest checked against the t
 shards another tool wrote are checked the same way, against what their own description records: shards indexed
 where they lie (``prep index``) are read from there, remote ones (a URL template) streamed as the loaders stream
 them; FFCV fields named otherwise are named with ``ffcv_fields`` (``--ffcv-fields``, as ``data.ffcv_fields``).
-Shards with no manifest (timm's ``_info.json`` alone) have no checksum that vouches for their images, which were
-never decoded on the way in: a sample of each split's images (``DECODE_SAMPLE``) is decoded, as timm's reader
-decodes it (PIL), and each that fails is named."""
+Data with no manifest (timm's ``_info.json`` alone, FFCV files read in place) has no checksum that vouches for its
+images, which were never decoded on the way in: a sample of each split's images (``DECODE_SAMPLE``) is decoded as
+the loaders decode it, and each that fails is named: a shard's member as timm's reader decodes it (PIL), an FFCV
+file's sample (by its index) as the FFCV loader does, a JPEG with turbojpeg (``convit_scale.jpeg``: it refuses what
+PIL decodes with a warning, a JPEG cut short among them), raw pixels by their stored size."""
 
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ import math
 import tarfile
 from pathlib import Path
 
+import numpy as np
+
+from convit_scale.ffcv_threads import importing_ffcv
 from convit_scale.imagetree import list_classes, rgb_jpeg, scan_split, subsample
+from convit_scale.jpeg import decode_rgb_array
 from convit_scale.manifest import (
     FFCV_FIELDS,
+    FIELDS_OPTION,
     MANIFEST,
     TIMM_INFO,
     DataError,
@@ -35,20 +42,33 @@ time this adds, whatever the split's size."""
 
 
 class _DecodeSample:
-    """Decodes every ``stride``-th image of a split's shards (``DECODE_SAMPLE`` of them) and names those that fail."""
+    """Decodes every ``stride``-th image of a split's files (``DECODE_SAMPLE`` of them) and names those that fail."""
 
     def __init__(self, num_samples: int):
         self.stride = max(1, math.ceil(num_samples / DECODE_SAMPLE))
         self.seen, self.decoded, self.failed = 0, 0, []
 
+    def picks(self, count: int) -> range:
+        """The indices, among the split's next ``count`` images, of those to decode."""
+        first = -self.seen % self.stride
+        self.seen += count
+        return range(first, count, self.stride)
+
     def __call__(self, where, member: str, payload: bytes) -> None:
-        self.seen += 1
-        if (self.seen - 1) % self.stride:
-            return
+        """A shard's image member, decoded as timm's reader decodes it (PIL), if it is one of the sample."""
+        if self.picks(1):
+            self.record(f"{where}: member {member}", rgb_jpeg(payload)[1])
+
+    def record(self, image: str, reason: str | None) -> None:
+        """One image of the sample decoded: ``reason`` why it failed, or None."""
         self.decoded += 1
-        _, reason, _ = rgb_jpeg(payload)
         if reason is not None:
-            self.failed.append(f"{where}: member {member} does not decode ({reason})")
+            self.failed.append(f"{image} does not decode ({reason})")
+
+
+def _decoded(decoded: int, samples: int) -> str:
+    """What the ``checked`` line says of the images decoded, of ``samples`` in all."""
+    return f"{decoded} of {samples} images decoded" + (" (a sample)" if decoded < samples else "")
 
 
 def verify(out: str | Path, src: str | Path | None = None, ffcv_fields: tuple[str, str] = FFCV_FIELDS,
@@ -78,7 +98,7 @@ def verify(out: str | Path, src: str | Path | None = None, ffcv_fields: tuple[st
     own = remote or (out / MANIFEST).is_file()
     samples = decoded = 0
     for split, info in manifest.splits.items():
-        decode = None if own or manifest.format != "wds" else _DecodeSample(info.num_samples)
+        decode = None if own else _DecodeSample(info.num_samples)
         counts: dict[str, int] = {}
         for name, rec in info.files.items():
             where = shard_url(location, name) if remote else manifest.folder / name
@@ -93,10 +113,11 @@ def verify(out: str | Path, src: str | Path | None = None, ffcv_fields: tuple[st
     if own:
         checked.append("every file matches the manifest")
     elif manifest.format == "wds":
-        checked.append(f"no {MANIFEST}: every shard read against timm's {TIMM_INFO} (samples, labels); {decoded} of "
-                       f"{samples} images decoded" + (" (a sample)" if decoded < samples else ""))
+        checked.append(f"no {MANIFEST}: every shard read against timm's {TIMM_INFO} (samples, labels); "
+                       f"{_decoded(decoded, samples)}")
     else:
-        checked.append(f"no {MANIFEST}: every FFCV file's label column read (samples, labels); no image decoded")
+        checked.append(f"no {MANIFEST}: every FFCV file's label column read (samples, labels); "
+                       f"{_decoded(decoded, samples)}")
     return problems + (check_source(manifest, Path(src)) if src is not None else [])
 
 
@@ -165,10 +186,55 @@ def _opt_path(value: str | None) -> Path | None:
 def _read_labels(path: Path, fmt: str, label: str = "cls", ffcv_fields: tuple[str, str] = FFCV_FIELDS,
                  decode: _DecodeSample | None = None) -> list[int]:
     if fmt == "ffcv":
-        return read_ffcv_labels(path, ffcv_fields).tolist()
+        labels = read_ffcv_labels(path, ffcv_fields).tolist()
+        if decode is not None:
+            _decode_ffcv(path, ffcv_fields[0], decode)
+        return labels
     with tarfile.open(path, "r") as tar:
         return _tar_labels(tar, label, decode=None if decode is None else
                            lambda member, payload: decode(path, member, payload))
+
+
+def _decode_ffcv(path: Path, image: str, decode: _DecodeSample) -> None:
+    """The sample's images of the FFCV file at ``path`` (its field ``image``, an ``RGBImageField``), each as the FFCV
+    loader decodes it (``_ffcv_image_fails``), a failure named by file and sample index. The image's bytes are found
+    as ffcv's readers find them: at the field's data pointer, the size its allocation table records there."""
+    with importing_ffcv():
+        from ffcv.fields import RGBImageField
+        from ffcv.fields.rgb_image import IMAGE_MODES
+        from ffcv.reader import Reader
+
+    reader = Reader(str(path))
+    if not isinstance(reader.handlers[image], RGBImageField):
+        raise DataError(f"{path}: FFCV field {image!r} is a {type(reader.handlers[image]).__name__}, not an "
+                        f"RGBImageField; set {FIELDS_OPTION} to the file's [image, label] names")
+    field = reader.metadata[f"f{reader.field_names.index(image)}"]
+    order = np.argsort(reader.alloc_table["ptr"])
+    ptrs, sizes = reader.alloc_table["ptr"][order], reader.alloc_table["size"][order]
+    data = np.memmap(path, np.uint8, mode="r")
+    for k in decode.picks(len(field)):
+        ptr = int(field["data_ptr"][k])
+        at = min(int(np.searchsorted(ptrs, ptr)), len(ptrs) - 1)
+        if int(ptrs[at]) != ptr:
+            decode.record(f"{path}: sample {k}", f"its data pointer {ptr} is not in the file's allocation table")
+            continue
+        decode.record(f"{path}: sample {k}", _ffcv_image_fails(
+            data[ptr:ptr + int(sizes[at])], field["mode"][k] == IMAGE_MODES["jpg"], int(field["height"][k]),
+            int(field["width"][k])))
+
+
+def _ffcv_image_fails(payload: np.ndarray, jpeg: bool, height: int, width: int) -> str | None:
+    """Why the FFCV loader cannot decode an image stored as ``payload`` (``convit_scale/data/ffcv_decoders.py``), or
+    None: a JPEG is decoded with turbojpeg and no flags (``convit_scale.jpeg``, PIL's pixels), which also refuses a
+    JPEG PIL decodes with a warning (a JPEG cut short and ended there, as a copy that stopped); raw pixels are copied
+    as stored, ``height x width x 3`` bytes."""
+    if not jpeg:
+        expected = height * width * 3
+        return None if payload.size == expected else (
+            f"raw pixels: {payload.size} bytes stored, {height} x {width} x 3 = {expected} expected")
+    if decode_rgb_array(payload, height, width) is not None:
+        return None
+    return f"turbojpeg, the FFCV loader's decoder, refused it; PIL: {rgb_jpeg(bytes(payload))[1] or 'decodes it'}"
 
 
 def _tar_labels(tar: tarfile.TarFile, label: str, decode=None) -> list[int]:

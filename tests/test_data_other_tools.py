@@ -276,6 +276,12 @@ def test_ffcv_field_names_are_set_by_the_recipe(fm_tree, tmp_path):
     batches = list(build_loader(d, LoaderSpec("val", 16, 50)).epoch(0))
     assert sum(len(b.labels) for b in batches) == 200
     assert batches[0].images.shape[1:] == (3, 16, 16) and batches[0].labels.tolist()[:3] == [0, 0, 0]
+    from data_prep import verify  # `prep verify --ffcv-fields`: its images decoded from the field named
+
+    assert verify(path, ffcv_fields=("img", "target")) == []
+    problems = verify(path, ffcv_fields=("weight", "target"))
+    assert len(problems) == 1 and "FFCV field 'weight' is a FloatField, not an RGBImageField; set data.ffcv_fields" \
+        in problems[0], problems
 
 
 def test_data_num_classes_keeps_the_first_labels_at_load_or_refuses_shards_converted_without(ffcv_imagenet, fm_tree,
@@ -393,21 +399,23 @@ def test_a_truncated_jpeg_in_timm_shards_is_replaced_listed_and_limited_as_in_pr
     assert all((r["shard"], r["key"]) in cut and r["reason"].startswith("undecodable image") for r in bad), bad
 
 
-def test_a_truncated_jpeg_in_an_ffcv_imagenet_file_is_replaced_listed_and_limited_as_in_prepared_files(
-        ffcv_imagenet, tmp_path):
-    """ffcv's writer stores about half of these images as JPEGs (compress probability 0.5): every 5th of those ends a
-    few bytes into its scan (an end-of-image marker written there: the file's layout is kept)."""
+def _ffcv_images(beton):
+    """(the image field's metadata, the allocation table's rows by address) of an ffcv-imagenet file."""
     from convit_scale.ffcv_threads import importing_ffcv
 
     with importing_ffcv():
         from ffcv.reader import Reader
 
-    path = tmp_path / "ffcv"
-    shutil.copytree(ffcv_imagenet, path)
-    beton = path / "train_32_0.50_90.ffcv"
     reader = Reader(str(beton))
-    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
-    sizes = {int(p): int(s) for p, s in zip(reader.alloc_table["ptr"], reader.alloc_table["size"])}
+    rows = {int(p): row for row, p in enumerate(reader.alloc_table["ptr"])}
+    return reader.metadata[f"f{reader.field_names.index('image')}"], rows, reader
+
+
+def _cut_ffcv_jpegs(beton) -> list[int]:
+    """Every 5th of the JPEGs of an ffcv-imagenet file (ffcv's writer stores about half its images as JPEGs: compress
+    probability 0.5) ended a few bytes into its scan, an end-of-image marker written there (the file's layout is
+    kept); returns their sample indices."""
+    meta, rows, reader = _ffcv_images(beton)
     jpegs = [k for k in range(len(meta)) if int(meta["mode"][k]) == 0]
     assert 300 < len(jpegs) < 700, len(jpegs)
     cut = jpegs[::5]
@@ -415,11 +423,65 @@ def test_a_truncated_jpeg_in_an_ffcv_imagenet_file_is_replaced_listed_and_limite
         for k in cut:
             ptr = int(meta["data_ptr"][k])
             f.seek(ptr)
-            stored = f.read(sizes[ptr])
+            stored = f.read(int(reader.alloc_table["size"][rows[ptr]]))
             f.seek(ptr + len(_truncated(stored)))
             f.write(b"\xff\xd9")
+    return cut
+
+
+def test_a_truncated_jpeg_in_an_ffcv_imagenet_file_is_replaced_listed_and_limited_as_in_prepared_files(
+        ffcv_imagenet, tmp_path):
+    """Every 5th JPEG of the file ends a few bytes into its scan (``_cut_ffcv_jpegs``)."""
+    path = tmp_path / "ffcv"
+    shutil.copytree(ffcv_imagenet, path)
+    beton = path / "train_32_0.50_90.ffcv"
+    cut = _cut_ffcv_jpegs(beton)
     bad = _assert_replaced_and_logged(_train_loader("ffcv", path, num_workers=1),
                                       _train_loader("ffcv", ffcv_imagenet, num_workers=1), path, tmp_path, "ffcv",
                                       num_workers=1)
     assert all(r["file"] == str(beton) and r["key"] in cut and r["reason"] == "undecodable JPEG (turbojpeg "
                "refused it)" for r in bad), bad
+
+
+def test_prep_verify_decodes_a_sample_of_ffcv_imagenet_files_and_names_each_image_that_fails(ffcv_imagenet,
+                                                                                             tmp_path, capsys,
+                                                                                             monkeypatch):
+    """FFCV files without a manifest: `prep verify` decodes each split's images as the FFCV loader does (it read the
+    label column alone: 'no image decoded'). The clean files pass; each JPEG cut short, and raw pixels stored short
+    (one sample's allocation cut by 3 bytes), is named by file and sample index; DECODE_SAMPLE bounds the images
+    decoded, evenly spaced."""
+    import sys
+
+    verify_module = sys.modules["data_prep.verify"]  # the module (the package's `verify` is its function)
+    line = "no manifest.json: every FFCV file's label column read (samples, labels); "
+    assert main(["prep", "verify", str(ffcv_imagenet)]) == 0
+    assert capsys.readouterr().out.strip() == f"verified {ffcv_imagenet}: {line}1200 of 1200 images decoded"
+    path = tmp_path / "ffcv"
+    shutil.copytree(ffcv_imagenet, path)
+    beton = path / "train_32_0.50_90.ffcv"
+    cut = _cut_ffcv_jpegs(beton)
+    meta, rows, reader = _ffcv_images(beton)
+    short = next(k for k in range(len(meta)) if int(meta["mode"][k]) == 1)
+    size = int(reader.alloc_table["size"][rows[int(meta["data_ptr"][short])]])
+    with open(beton, "r+b") as f:  # the row's size field: (sample_id, ptr, size), 8 bytes each
+        f.seek(int(reader.header["alloc_table_ptr"]) + rows[int(meta["data_ptr"][short])] * 24 + 16)
+        f.write(np.uint64(size - 3).tobytes())
+    assert main(["prep", "verify", str(path)]) == 1
+    captured = capsys.readouterr()
+    errors = [e for e in captured.err.splitlines() if e.startswith("error: ")]
+    assert all(e.startswith(f"error: {beton}: sample ") for e in errors), errors
+    named = {int(e.split(": sample ")[1].split()[0]): e for e in errors}
+    assert sorted(named) == sorted(cut + [short]) and len(named) == len(errors)
+    h, w = int(meta["height"][short]), int(meta["width"][short])
+    assert named[short].endswith(f"does not decode (raw pixels: {size - 3} bytes stored, {h} x {w} x 3 = {size} "
+                                 f"expected)")
+    # ended where they were cut, PIL decodes them (with a warning): the loader's decoder refuses them
+    assert all(named[k].endswith("does not decode (turbojpeg, the FFCV loader's decoder, refused it; PIL: decodes "
+                                 "it)") for k in cut), errors
+    assert captured.out.strip() == f"{path}: {len(errors)} problem(s) ({line}1200 of 1200 images decoded)"
+    monkeypatch.setattr(verify_module, "DECODE_SAMPLE", 100)  # every 10th train image, every 2nd val image
+    checked = []
+    problems = verify_module.verify(path, checked=checked)
+    sampled = sorted(k for k in cut + [short] if k % 10 == 0)
+    assert sampled and [int(p.split(": sample ")[1].split()[0]) for p in problems] == sampled
+    assert checked == [f"{line}200 of 1200 images decoded (a sample)"]
