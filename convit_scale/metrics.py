@@ -19,8 +19,9 @@ from urllib.parse import urlparse
 
 from .errors import BadInput
 from .files import write_atomic
+from .runfolder import METRICS
 
-FILENAME = "metrics.jsonl"
+FILENAME = METRICS
 WANDB_ID_FILE = "wandb_run_id"
 """In the run folder: the W&B run id, so that a resumed run (a requeue) continues the same W&B run."""
 

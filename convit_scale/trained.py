@@ -22,7 +22,7 @@ from .errors import BadInput
 from .files import atomic_path
 from .models import MODELS, create_model, load_pretrained, read_state_dict
 from .models.weights import timm_state_dict
-from .runfolder import BEST, LATEST, PREFIX, checkpoint_problems, complete_checkpoints
+from .runfolder import BEST, LATEST, META, PREFIX, checkpoint_problems, checkpoints, complete_checkpoints
 
 __all__ = ["BEST", "LATEST", "PREFIX", "complete_checkpoints", "latest_checkpoint", "run_checkpoint", "consolidate",
            "export", "load_trained_model", "check_intact", "DamagedCheckpoint", "weights_metadata", "eval_view",
@@ -67,17 +67,17 @@ def run_checkpoint(spec: str | Path) -> Path:
     as its newest complete checkpoint; ``RUN:latest`` or ``RUN:best`` for the newest or the best evaluation's."""
     text = str(spec)
     run, sep, which = text.rpartition(":")
-    if not (sep and which in ("latest", "best") and Path(run).is_dir()):
+    if not (sep and which in (LATEST, BEST) and Path(run).is_dir()):
         run, which = text, None
     path = Path(run)
-    root = path / "checkpoints"
+    root = checkpoints(path)
     if which is None and not root.is_dir():
         return path  # a checkpoint folder, an exported file or weights: load_trained_model says what it is
     if not root.is_dir():
         raise FileNotFoundError(f"{text}: {path} is not a run folder (no checkpoints/); allowed: RUN, RUN:latest, "
                                 f"RUN:best for a run's output_dir, or {CHECKPOINTS}")
-    if which == "best":
-        if not (root / BEST / "meta.json").is_file():
+    if which == BEST:
+        if not (root / BEST / META).is_file():
             raise FileNotFoundError(f"{text}: the run has no best checkpoint yet ({root / BEST}: written at the first "
                                     f"evaluation); allowed: {run}:latest")
         return root / BEST
@@ -101,7 +101,7 @@ def weights_metadata(meta: dict) -> dict[str, str]:
 def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of a checkpoint, without any process group."""
     checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / "meta.json").is_file():
+    if not (checkpoint_dir / META).is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
     check_intact(checkpoint_dir)
     if (checkpoint_dir / "dcp").is_dir():
@@ -129,14 +129,14 @@ def export(checkpoint_dir: Path, out: Path) -> Path:
     failure nothing is left behind: no temporary file, no folder this call created."""
 
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
-    if not (checkpoint_dir / "meta.json").is_file():
+    if not (checkpoint_dir / META).is_file():
         raise FileNotFoundError(f"{checkpoint_dir}: not a complete checkpoint (no meta.json)")
     if out.suffix != ".safetensors":
         raise BadInput(f"export --out {out}: export writes safetensors; allowed: a file name ending in .safetensors")
     if out.is_dir():
         raise BadInput(f"export --out {out} is an existing folder; allowed: a file name ending in .safetensors")
     state = timm_state_dict(consolidate(checkpoint_dir))
-    meta = json.loads((checkpoint_dir / "meta.json").read_text())
+    meta = json.loads((checkpoint_dir / META).read_text())
     created = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder made here
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,10 +158,10 @@ def model_section(path: Path) -> dict | None:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}; allowed: {CHECKPOINTS}")
     if path.is_dir():
-        if not (path / "meta.json").is_file():
+        if not (path / META).is_file():
             raise FileNotFoundError(f"{path}: a folder but not a complete run checkpoint (no meta.json); "
                                     f"allowed: {CHECKPOINTS}")
-        return json.loads((path / "meta.json").read_text())["config"]["model"]
+        return json.loads((path / META).read_text())["config"]["model"]
     if path.suffix == ".safetensors":
         try:
             with safe_open(str(path), "pt") as f:
@@ -178,8 +178,8 @@ def eval_view(path: str | Path) -> dict:
     file's metadata (``weights_metadata``); empty for published weights, which do not say (DeiT's view, 0.875 and
     bicubic, is then the default)."""
     path = Path(path)
-    if path.is_dir() and (path / "meta.json").is_file():
-        data = json.loads((path / "meta.json").read_text())["config"].get("data", {})
+    if path.is_dir() and (path / META).is_file():
+        data = json.loads((path / META).read_text())["config"].get("data", {})
         return {k: data[k] for k in EVAL_VIEW if k in data}
     if path.is_file() and path.suffix == ".safetensors":
         try:

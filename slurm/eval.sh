@@ -20,6 +20,7 @@
 set -uo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 source slurm/site_hook.sh  # SITE_SCRIPT, SRUN_ARGS, site_report
+CHECKPOINTS=checkpoints  # a run folder's, as convit_scale/runfolder.py names it (tests/test_slurm_scripts.py)
 for var in CHECKPOINT DATA_DIR; do
     if [ -z "${!var:-}" ]; then
         echo "error: $var is not set; e.g. CHECKPOINT=runs/table1/convit_base_plus:best DATA_DIR=/data/imagenet-ffcv sbatch slurm/eval.sh" >&2
@@ -32,7 +33,7 @@ run=${run%:latest}
 if [ -z "${RESULTS:-}" ]; then
     name=$(basename "$run")
     case "$CHECKPOINT" in *:best) name="$name-best" ;; *:latest) name="$name-latest" ;; esac
-    if [ -d "$run/checkpoints" ]; then RESULTS="$run/eval-$name.json"; else RESULTS="eval-$name-${SLURM_JOB_ID:-0}.json"; fi
+    if [ -d "$run/$CHECKPOINTS" ]; then RESULTS="$run/eval-$name.json"; else RESULTS="eval-$name-${SLURM_JOB_ID:-0}.json"; fi
 fi
 echo "== convit-scale eval job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-?}: $CHECKPOINT on $DATA_DIR, $CPUS CPUs"
 echo "== results: $RESULTS ${EVAL_ARGS:-}"

@@ -41,21 +41,29 @@
 set -uo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 source "$(dirname "${BASH_SOURCE[0]}")/site_hook.sh"  # SITE_SCRIPT, SRUN_ARGS, site_report
+# The run folder's protocol as convit_scale/runfolder.py names it (tests/test_slurm_scripts.py checks that these are
+# its constants): the training's exit statuses (this script's own refusals are bad input too) and its files here.
+EXIT_BAD_INPUT=2
+EXIT_NONFINITE=3
+EXIT_REQUEUE=75
+CHECKPOINTS=checkpoints
+HANGS=hangs
+STOPPED_FOR_REQUEUE=STOPPED_FOR_REQUEUE
 LAUNCHER=${LAUNCHER:-srun}
 case "$LAUNCHER" in
     srun | torchrun) ;;
     *) echo "error: LAUNCHER=$LAUNCHER is not supported; allowed: srun (one task per GPU) or torchrun (one per node)" >&2
-       exit 2 ;;
+       exit "$EXIT_BAD_INPUT" ;;
 esac
 MAX_REQUEUES=${MAX_REQUEUES:-50}
 if ! [[ "$MAX_REQUEUES" =~ ^[0-9]+$ ]]; then
     echo "error: MAX_REQUEUES=$MAX_REQUEUES is not allowed; use a whole number >= 0 (default 50)" >&2
-    exit 2
+    exit "$EXIT_BAD_INPUT"
 fi
 MAX_RESTARTS=${MAX_RESTARTS:-10}
 if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
     echo "error: MAX_RESTARTS=$MAX_RESTARTS is not allowed; use a whole number >= 0 (default 10)" >&2
-    exit 2
+    exit "$EXIT_BAD_INPUT"
 fi
 CHECKOUT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HOST_PY=${HOST_PYTHON:-$PY}
@@ -76,7 +84,7 @@ faults() {
 }
 if [ -z "${RECIPE:-}" ]; then
     echo "error: RECIPE is not set; allowed: a recipe file, e.g. RECIPE=recipes/table3/convit_small_plus_b_full.yaml sbatch slurm/train.sh" >&2
-    exit 2
+    exit "$EXIT_BAD_INPUT"
 fi
 args=()
 if [ -n "${DATA_DIR:-}" ]; then args+=("data.train_path=$DATA_DIR" "data.val_path=$DATA_DIR"); fi
@@ -90,11 +98,11 @@ if [ -n "${OUTPUT_DIR:-}" ]; then
 else
     # (the last line, without the task label a site's SRUN_ARGS=--label puts before it)
     OUT=$(where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --get run.output_dir "${args[@]}" \
-        | sed -E 's/^[0-9]+: //' | tail -n 1) || exit 2
+        | sed -E 's/^[0-9]+: //' | tail -n 1) || exit "$EXIT_BAD_INPUT"
     out_note="the recipe's run.output_dir"
 fi
 args=("run.output_dir=$OUT" "${args[@]}")
-MARKER="$OUT/STOPPED_FOR_REQUEUE"
+MARKER="$OUT/$STOPPED_FOR_REQUEUE"
 NODES=${SLURM_JOB_NUM_NODES:-1}
 GPUS=${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}  # ranks per node
 [ "$GPUS" -ge 1 ] 2>/dev/null || GPUS=1
@@ -154,9 +162,9 @@ sys.exit(0 if '--signals-to-handle' in opts else 3)" 2>/dev/null | sed -E 's/^[0
     case $? in
         0) ;;
         3) echo "error: LAUNCHER=torchrun needs torchrun --signals-to-handle (torch>=2.9) to forward Slurm's USR1 to the ranks; torch ${tv%% *} lacks it: use LAUNCHER=srun or a newer torch" >&2
-           exit 2 ;;
+           exit "$EXIT_BAD_INPUT" ;;
         *) echo "error: LAUNCHER=torchrun: $PY cannot import torch.distributed.run" >&2
-           exit 2 ;;
+           exit "$EXIT_BAD_INPUT" ;;
     esac
     if [ "${tv##* }" != True ]; then
         echo "== warning: torch ${tv%% *} has no torchrun --shutdown-timeout: the ranks get torchrun's fixed 30 s, not STOP_GRACE_S, to save after the signal"
@@ -175,14 +183,14 @@ data_from="DATA_DIR=${DATA_DIR:-}"
 where_ranks_run "$PY" -m convit_scale.cli config --recipe "$RECIPE" --world-size "$((NODES * GPUS))" \
     --check-data "$data_from" "${args[@]}" \
     | sed 's/^/   /' \
-    || { echo "error: recipe refused"; exit 2; }
+    || { echo "error: recipe refused"; exit "$EXIT_BAD_INPUT"; }
 
 # A marker left by an earlier run must not requeue this one: only a marker written by this step counts.
 clear_marker() {
     rm -f "$MARKER"
     if [ -e "$MARKER" ]; then
         echo "error: cannot remove the stale requeue marker $MARKER" >&2
-        exit 2
+        exit "$EXIT_BAD_INPUT"
     fi
 }
 
@@ -214,7 +222,7 @@ ranks get OMP_NUM_THREADS=\$OMP_NUM_THREADS\"; exec '$PY' -m torch.distributed.r
 requeue_job() {
     local restarts=${SLURM_RESTART_COUNT:-0}
     if [ "$restarts" -ge "$MAX_REQUEUES" ]; then
-        echo "error: job ${SLURM_JOB_ID:-?} $1 but was already requeued $restarts times (MAX_REQUEUES=$MAX_REQUEUES); not requeueing: resubmit to resume from $OUT/checkpoints" >&2
+        echo "error: job ${SLURM_JOB_ID:-?} $1 but was already requeued $restarts times (MAX_REQUEUES=$MAX_REQUEUES); not requeueing: resubmit to resume from $OUT/$CHECKPOINTS" >&2
         exit 1
     fi
     echo "== $2; requeueing job ${SLURM_JOB_ID:-?} ($((restarts + 1)) of at most $MAX_REQUEUES)"
@@ -222,7 +230,7 @@ requeue_job() {
     # range again (below).
     trap '' TERM
     if ! scontrol requeue "${SLURM_JOB_ID:-}"; then
-        echo "error: scontrol requeue ${SLURM_JOB_ID:-?} failed (the job needs --requeue); resubmit to resume from $OUT/checkpoints" >&2
+        echo "error: scontrol requeue ${SLURM_JOB_ID:-?} failed (the job needs --requeue); resubmit to resume from $OUT/$CHECKPOINTS" >&2
         exit 1
     fi
     # A requeued job keeps the task and CPU counts of the allocation it had (seen with Slurm 22.05), so a job
@@ -239,11 +247,11 @@ requeue_job() {
 # NCCL's flight recorder, where the recipe turns it on (fault.nccl_trace_entries; each rank sets its size before its
 # process group forms), keeps the last collectives of every rank; the watchdog writes it with its stacks, and NCCL
 # itself on a collective timeout (into the run folder's hangs/).
-mkdir -p "$OUT/hangs"
+mkdir -p "$OUT/$HANGS"
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$OUT/hangs/nccl_trace_rank_}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$OUT/$HANGS/nccl_trace_rank_}
 JOB_NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, -)
-STEP_LOG="$OUT/hangs/last_step.err"
+STEP_LOG="$OUT/$HANGS/last_step.err"
 attempt=0
 while :; do
     clear_marker
@@ -260,19 +268,19 @@ while :; do
         # status, a signal as 128+N); torchrun: 1, which torch.distributed.run returns when its ranks exit
         # non-zero, 75 included.
         case "$LAUNCHER:$rc" in
-            *:75 | *:143 | *:137 | torchrun:1) stopped=yes ;;
+            *:"$EXIT_REQUEUE" | *:143 | *:137 | torchrun:1) stopped=yes ;;
         esac
     fi
     if [ $stopped = yes ]; then
         requeue_job "stopped with a checkpoint" "stopped before the time limit with a checkpoint"
     fi
-    if [ $rc -eq 75 ]; then
-        echo "== training exited with 75 but wrote no $MARKER in this run: not requeueing"
+    if [ $rc -eq "$EXIT_REQUEUE" ]; then
+        echo "== training exited with $EXIT_REQUEUE but wrote no $MARKER in this run: not requeueing"
     elif [ -f "$MARKER" ]; then
         echo "== $MARKER is ignored: training exited with status $rc"
     fi
     # Finished (0), refused (2: bad input, data) or stopped by the non-finite policy (3): no restart repeats it.
-    case $rc in 0 | 2 | 3 | 75) echo "== training exited with status $rc"; exit $rc ;; esac
+    case $rc in 0 | "$EXIT_BAD_INPUT" | "$EXIT_NONFINITE" | "$EXIT_REQUEUE") echo "== training exited with status $rc"; exit $rc ;; esac
     # An unplanned failure (a crash, an OOM, a hang ended by the watchdog, a lost node, a save the file system
     # refused: 77): one line and a record in $OUT/faults.jsonl, then a restart from the newest checkpoint if the run
     # made progress since this start; never a second restart into a storage failure. The statuses and the run

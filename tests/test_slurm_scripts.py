@@ -1,8 +1,13 @@
 """The #SBATCH reader (convit_scale/slurm_scripts.py): a job script's options, its recipe, and the job shape read
-from them."""
+from them; and the run folder's names and exit statuses as the shell scripts spell them."""
 
 from __future__ import annotations
 
+import re
+
+from support import REPO
+
+from convit_scale import runfolder
 from convit_scale.config import recipe_path
 from convit_scale.slurm_scripts import job_scripts, read_script
 
@@ -49,3 +54,31 @@ def test_the_shipped_job_scripts_run_shipped_recipes():
     for s in scripts:
         assert recipe_path(s.recipe).is_file(), s.path
         assert s.nodes >= 1 and s.gpus_per_node == s.tasks_per_node, s.path
+
+
+SHELL_PROTOCOL = {"launch.sh": {"EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_REQUEUE", "CHECKPOINTS", "HANGS",
+                                "STOPPED_FOR_REQUEUE"},
+                  "eval.sh": {"CHECKPOINTS"}}
+"""The names of convit_scale/runfolder.py that a shell script defines for itself (the batch shell cannot import it)."""
+FILE_NAMES = ("CHECKPOINTS", "META", "FAULTS", "STARTS", "HEARTBEAT", "HANGS", "LEASE", "STOPPED_FOR_REQUEUE",
+              "METRICS")
+
+
+def test_the_shell_scripts_spell_the_run_folder_as_runfolder_names_it():
+    """Each script's copies of runfolder's names equal its constants, and the scripts use the run folder's files
+    (``$OUT/hangs``) only through them; launch.sh compares the training's exit statuses only through its copies."""
+    for path in sorted((REPO / "slurm").rglob("*.sh")):
+        text = path.read_text()
+        defined = {k: v for k, v in re.findall(r"^([A-Z_]+)=(\S+?)(?:\s+#.*)?$", text, re.M) if hasattr(runfolder, k)}
+        expected = SHELL_PROTOCOL.get(path.name, set())
+        assert defined == {k: str(getattr(runfolder, k)) for k in expected}, path
+        code = "\n".join(line for line in text.splitlines()
+                         if not line.lstrip().startswith("#") and line.split("=")[0] not in defined)
+        code = re.sub(r"\$\{?[A-Z_]+\}?", "$VAR", code)  # $NAME, ${NAME}: the copies
+        spelt = [n for n in FILE_NAMES if re.search(rf"/{re.escape(getattr(runfolder, n))}\b|"
+                                                   rf"\b{re.escape(getattr(runfolder, n))}/", code)]
+        assert not spelt, f"{path.name} spells {spelt}: use its copies of runfolder's names"
+    launch = (REPO / "slurm" / "launch.sh").read_text()
+    statuses = "|".join(str(getattr(runfolder, k)) for k in dir(runfolder) if k.startswith("EXIT_"))
+    literal = re.findall(rf"(?:\bexit|-eq|-ne|\*:|\|)\s*({statuses})\b", launch)
+    assert not literal, f"launch.sh spells exit statuses {literal}: use its EXIT_* copies of runfolder's"

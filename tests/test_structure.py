@@ -29,6 +29,7 @@ units in the same layers (``test_the_architecture_docs_layer_table_is_layers``).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -263,3 +264,102 @@ def test_imports_inside_functions_are_the_lazy_ones():
 
 def _is_lazy(module: str) -> bool:
     return any(module == lib or module.startswith(lib + ".") for lib in LAZY)
+
+
+RUNFOLDER = REPO / "convit_scale" / "runfolder.py"
+RUNFOLDER_NAMES = ("CHECKPOINTS", "PREFIX", "META", "DAMAGED", "FAULTS", "STARTS", "HEARTBEAT", "HANGS", "LEASE",
+                   "STOPPED_FOR_REQUEUE", "METRICS")
+"""runfolder's names of the run folder's files that no other string of the package spells: a string equal to one of
+them, or a path of them (``"hangs/x"``, a glob ``"step_*"``), is the protocol spelt a second time."""
+RUNFOLDER_PARTS = ("LATEST", "BEST")
+"""Names that are also ordinary words (a checkpoint's reason ``"best"``, the training state's ``best`` field): spelt
+elsewhere only as a path part, an operand of ``/`` or of a path join."""
+PATH_JOINS = ("joinpath", "join", "with_name", "Path", "PurePath")
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _runfolder_constants() -> dict[str, object]:
+    """runfolder's constants as it assigns them (read, not imported: this test imports nothing of the package)."""
+    found = {}
+    for node in ast.parse(RUNFOLDER.read_text()).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                and all(isinstance(t, ast.Name) for t in node.targets)):
+            found.update({t.id: node.value.value for t in node.targets})
+    return found
+
+
+def _spells_a_name(text: str, names: set[str], prefix: str, suffix: str) -> bool:
+    if text in names:
+        return True
+    if any(c.isspace() for c in text):  # prose: a message or a help text that names a file
+        return False
+    parts = text.split("/")
+    return any(p in names or p.endswith(suffix) or (p.startswith(prefix) and any(c in p for c in "*?[")) for p in parts)
+
+
+def _path_parts(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants used as path parts: operands of ``/`` and arguments of a path join."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            found += [n for n in (node.left, node.right) if isinstance(n, ast.Constant)]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in PATH_JOINS:
+                found += [n for n in node.args if isinstance(n, ast.Constant)]
+    return [n for n in found if isinstance(n.value, str)]
+
+
+def test_only_the_runfolder_module_spells_the_run_folders_names():
+    """One owner for the run folder's protocol (convit_scale/runfolder.py): every other module uses its constants,
+    so that the ranks, the launcher's bookkeeping, the rehearsal and the tools cannot disagree on a file's name."""
+    consts = _runfolder_constants()
+    names = {consts[n] for n in RUNFOLDER_NAMES}
+    parts = {consts[n] for n in RUNFOLDER_PARTS}
+    spelt = []
+    for path in _files().values():
+        if path == RUNFOLDER:
+            continue
+        tree = _tree(path)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and _spells_a_name(node.value, names, consts["PREFIX"], consts["DAMAGED"])):
+                spelt.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+        spelt += [f"{path.relative_to(REPO)}:{n.lineno}: {n.value!r} (a path part)" for n in _path_parts(tree)
+                  if n.value in parts]
+    assert not spelt, ("the run folder's names spelt outside convit_scale/runfolder.py (use its constants):\n"
+                       + "\n".join(sorted(set(spelt))))
+
+
+def _is_exit(call: ast.AST) -> bool:
+    f = call.func if isinstance(call, ast.Call) else None
+    return (isinstance(f, ast.Attribute) and f.attr in ("exit", "_exit")) or (isinstance(f, ast.Name)
+                                                                              and f.id == "SystemExit")
+
+
+def test_only_the_runfolder_module_numbers_the_exit_statuses():
+    """The exit statuses (runfolder's ``EXIT_*``) are defined there alone, and no ``main`` returns or exits with one
+    of their numbers spelt out."""
+    consts = _runfolder_constants()
+    statuses = {v for k, v in consts.items() if k.startswith("EXIT_")}
+    spelt = []
+    for path in _files().values():
+        if path == RUNFOLDER:
+            continue
+        rel = path.relative_to(REPO)
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id.startswith("EXIT_")
+                                                    for t in node.targets):
+                spelt.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "main":
+                spelt += [f"{rel}:{r.lineno}: {ast.unparse(r)}" for r in ast.walk(node) if isinstance(r, ast.Return)
+                          and isinstance(r.value, ast.Constant) and r.value.value in statuses]
+            elif _is_exit(node) and any(isinstance(a, ast.Constant) and a.value in statuses for a in node.args):
+                spelt.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not spelt, ("exit statuses spelt outside convit_scale/runfolder.py (use its EXIT_*):\n"
+                       + "\n".join(sorted(spelt)))

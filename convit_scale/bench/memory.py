@@ -11,6 +11,7 @@ from ..config import ParallelConfig, load_config, recipe_path
 from ..metrics import read_records
 from ..models import create_model
 from ..parallel.zero_config import zero_sizes
+from ..runfolder import checkpoints
 from ..train.launch import run_recipe
 from .worker import RSS_ENV
 
@@ -53,7 +54,7 @@ def _measure(tree: Path, out: Path, model: str, img_size: int, world: int, strat
     cfg = training_run(tree, out, model, img_size, world, strategy, params, 2, "log.debug_memory=true")
     rc = run_recipe(cfg, world, env=RSS_ENV, quiet=world == 1)
     recs = read_records(out) if rc == 0 else []
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 2 GB per configuration, not needed
+    shutil.rmtree(checkpoints(out), ignore_errors=True)  # 2 GB per configuration, not needed
     train = [r for r in recs if r["kind"] == "train"]
     if not train:
         return {"strategy": strategy, "world": world, "error": f"exit {rc}"}

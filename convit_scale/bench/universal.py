@@ -12,6 +12,7 @@ from data_prep.fashion_mnist import build_tree
 from ..errors import BadInput
 from ..models import create_model
 from ..parallel.universal import UNIVERSAL, conversion_files, conversion_wait_s, folder_bytes, universal_checkpoint
+from ..runfolder import checkpoints
 from ..train.checkpoint import latest_checkpoint
 from ..train.launch import run_recipe
 from .memory import training_run
@@ -23,7 +24,7 @@ def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strat
     shutil.rmtree(out, ignore_errors=True)
     rc = run_recipe(training_run(tree, out, model, img_size, world, strategy, params, 1), world, quiet=True,
                     in_process=world == 1)
-    ckpt = latest_checkpoint(out / "checkpoints") if rc == 0 else None
+    ckpt = latest_checkpoint(checkpoints(out)) if rc == 0 else None
     if ckpt is None:
         return {"strategy": strategy, "world": world, "error": f"exit {rc}, no checkpoint"}
     t0 = time.perf_counter()
@@ -34,7 +35,7 @@ def _convert(tree: Path, out: Path, model: str, img_size: int, world: int, strat
            "universal_files": sum(1 for f in (ckpt / UNIVERSAL).rglob("*") if f.is_file()),
            "files_bound": conversion_files(tensors, world), "seconds": seconds, "mb_per_s": size / seconds / 1e6,
            "others_wait_up_to_s": conversion_wait_s(ckpt, timeout_s, tensors, world)}
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # gigabytes for a large model
+    shutil.rmtree(checkpoints(out), ignore_errors=True)  # gigabytes for a large model
     return row
 
 

@@ -16,13 +16,12 @@ import sys
 
 from .. import __version__
 from ..errors import BadInput
+from ..runfolder import EXIT_BAD_INPUT
 from . import analyze, bench, config, evaluate, experiment, export, models, plan, prep, train
 from .models import model_table_rows
 
 COMMANDS = (config, models, prep, train, evaluate, export, analyze, bench, experiment, plan)
 """Each module's ``register(sub)`` adds its sub-command(s), in the order of ``convit-scale --help``."""
-
-EXIT_BAD_INPUT = 2
 
 
 class UsageError(BadInput):

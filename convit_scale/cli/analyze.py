@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..analysis import ANALYSIS_IMAGES
+from ..runfolder import CHECKPOINTS
 from .argtypes import device, positive_int
 from .evaluate import FORMAT_HELP
 
@@ -77,7 +78,7 @@ def _label(spec: str, checkpoint: Path, model: str | None) -> str:
 
 def _run_dir_of(checkpoint: Path) -> Path | None:
     """runs/X/checkpoints/step_N -> runs/X (for the histories), if it looks like one."""
-    if checkpoint.is_dir() and checkpoint.parent.name == "checkpoints":
+    if checkpoint.is_dir() and checkpoint.parent.name == CHECKPOINTS:
         return checkpoint.parent.parent
     return None
 

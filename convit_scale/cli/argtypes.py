@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..runfolder import META
+
 
 def _number(kind: type, text: str):
     try:
@@ -78,7 +80,7 @@ def resume(text: str) -> str:
     """``auto``, ``none`` or a complete checkpoint folder (one with meta.json)."""
     if text in ("auto", "none"):
         return text
-    if not (Path(text) / "meta.json").is_file():
+    if not (Path(text) / META).is_file():
         raise argparse.ArgumentTypeError(
             f"{text!r} is not allowed: auto, none, or a complete checkpoint folder (with meta.json)")
     return text

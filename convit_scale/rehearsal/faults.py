@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ..errors import BadInput
+from ..runfolder import EXIT_BAD_INPUT, FAULTS, HEARTBEAT, checkpoints, complete_checkpoints
 from ..train.watchdog import STALE_BEATS, child_states, read_beats
 from .cluster import LocalSlurm
 from .run import (
@@ -59,7 +60,7 @@ def live_ranks(out: Path, heartbeat_s: float) -> dict[int, dict]:
     by rank. Only these pids may be signalled: a heartbeat left by a rank of an earlier start (killed: it never
     wrote its last one) names a pid that may since belong to another process (pids wrap at pid_max, 32768 by
     default), and a stop or a kill sent to it would hit a stranger: a test runner, a Slurm daemon."""
-    beats = read_beats(out / "heartbeat")
+    beats = read_beats(out / HEARTBEAT)
     if not beats:
         return {}
     newest, now = max(beats, key=lambda b: b.get("born", 0))["launch"], time.time()
@@ -92,7 +93,7 @@ def inject(kind: str, slurm, out: Path, world: int) -> dict:
 
 def _ready(watch, out: Path, world: int, after_step: int) -> bool:
     """Step ``after_step`` logged, a checkpoint saved, and every rank training."""
-    ckpts = [p for p in (out / "checkpoints").glob("step_*[0-9]") if (p / "meta.json").is_file()]
+    ckpts = complete_checkpoints(checkpoints(out))
     beats = live_ranks(out, FAULT_SECTION["heartbeat_s"])
     return (bool(ckpts) and any(r["step"] >= after_step for _, r in watch.train()) and len(beats) == world
             and all(b["started"] for b in beats.values()))
@@ -121,7 +122,7 @@ def run_fault(slurm, shape, kind: str, recipe: Path, data: Path, out: Path, laun
     t0 = time.time()
     hit = inject(kind, slurm, out, shape.world)
     try:
-        path = out / "faults.jsonl"
+        path = out / FAULTS
         watch.wait(lambda: path.is_file() and path.read_text().strip(), "the fault's record", 600)
         detected = time.time()
         watch.wait(lambda: any(t > detected for t, _ in watch.train()), "a new step", 1800)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         parallel = layout(shape, args.overrides)
     except (Refused, BadInput) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         result = rehearse_faults(args, shape, parallel)
     except JobFailed as e:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from .. import slurm_scripts
 from ..errors import BadInput
+from ..runfolder import EXIT_BAD_INPUT, META, METRICS, checkpoints, complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 VAL_PER_CLASS = 20  # 200 images: not a multiple of 32 or 24 ranks, so the evaluation pads
@@ -192,7 +193,7 @@ class Watch:
     _last: dict = field(default_factory=lambda: {"file": None, "slurm": 0.0, "procs": 0.0})
 
     def poll(self) -> None:
-        now, path = time.time(), self.out / "metrics.jsonl"
+        now, path = time.time(), self.out / METRICS
         stat = path.stat() if path.is_file() else None
         if stat is not None and (stat.st_mtime_ns, stat.st_size) != self._last["file"]:
             self._last["file"] = (stat.st_mtime_ns, stat.st_size)
@@ -304,8 +305,8 @@ def run_interrupted(slurm, shape: JobShape, recipe: Path, data: Path, out: Path,
     ckpt = {}
 
     def published() -> bool:
-        for d in sorted((out / "checkpoints").glob("step_*[0-9]")):
-            meta = d / "meta.json"
+        for d in complete_checkpoints(checkpoints(out)):
+            meta = d / META
             if meta.is_file() and json.loads(meta.read_text()).get("reason") == "signal":
                 ckpt.update(path=d, meta=json.loads(meta.read_text()),
                             files=sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()))
@@ -570,10 +571,10 @@ def main(argv: list[str] | None = None) -> int:
         parallel = layout(shape, args.overrides)
     except Refused as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except BadInput as e:  # a recipe or override refused by load_config
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         result = rehearse(args, shape, parallel)
     except JobFailed as e:

@@ -89,7 +89,7 @@ def _recover_interrupted_swaps(root: Path) -> None:
     sides = [*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.old"), *root.glob(f"{BEST}.tmp"),
              *root.glob(f"{BEST}.old")]
     for final in {side.with_suffix("") for side in sides}:
-        recover_swap(final, "meta.json")
+        recover_swap(final, META)
 
 
 RESUMABLE = (
@@ -339,7 +339,7 @@ def save_best(root: Path, state: dict | None, meta: dict) -> Path:
 
 
 def load_checkpoint(path: Path, strategy) -> dict:
-    meta = json.loads((path / "meta.json").read_text())
+    meta = json.loads((path / META).read_text())
     strategy.load(path, meta.get("world_size"))
     rng_file = path / f"rng_rank{comm.rank()}.pt"
     if rng_file.is_file() and meta.get("world_size") == comm.world_size():
@@ -349,6 +349,6 @@ def load_checkpoint(path: Path, strategy) -> dict:
 
 def read_meta(path: Path) -> dict:
     """A checkpoint's ``meta.json`` (FileNotFoundError naming the folder when it is not a complete checkpoint)."""
-    if not (path / "meta.json").is_file():
+    if not (path / META).is_file():
         raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no meta.json)")
-    return json.loads((path / "meta.json").read_text())
+    return json.loads((path / META).read_text())

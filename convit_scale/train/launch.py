@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import BadInput
+from ..runfolder import STOPPED_FOR_REQUEUE
 from .distributed import check_world, free_port
 from .engine import exit_status
 from .preflight import preflight
@@ -80,7 +81,7 @@ def run_recipe(cfg: Config, nproc: int = 1, env: dict | None = None, in_process:
     args = ["--config", str(write_resolved(cfg))]
     if nproc > 1:
         return launch_torchrun(args, nproc, env=env, quiet=quiet,
-                               marker=Path(cfg.run.output_dir) / "STOPPED_FOR_REQUEUE")
+                               marker=Path(cfg.run.output_dir) / STOPPED_FOR_REQUEUE)
     out = subprocess.DEVNULL if quiet else None
     return subprocess.call([sys.executable, "-m", "convit_scale.train", *args], env={**os.environ, **(env or {})},
                            stdout=out, stderr=out)

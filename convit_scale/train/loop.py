@@ -17,6 +17,7 @@ import time
 from .. import comm, evaluation, faults, jpeg_roi
 from ..analysis.during_training import epoch_analysis
 from ..data import device_images
+from ..runfolder import STOPPED_FOR_REQUEUE
 from .checkpoint import save_best, save_checkpoint, wait_for_save
 from .debug import checksum, state_digest
 from .memory import peak_memory_mb
@@ -165,7 +166,7 @@ def save_and_stop(run: Run, state: TrainState) -> str:
     log(run.ctx, f"stop signal: saved {path}; exiting with {EXIT_REQUEUE} to be requeued")
     run.metrics.write({"kind": "stopped", "step": state.step, "epoch": state.epoch, "checkpoint": str(path)})
     if run.ctx.is_main:  # for launchers (torchrun) that do not pass the exit status through
-        (run.out / "STOPPED_FOR_REQUEUE").write_text(str(path))
+        (run.out / STOPPED_FOR_REQUEUE).write_text(str(path))
     comm.barrier()
     return "stopped"
 

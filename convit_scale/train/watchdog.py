@@ -45,7 +45,7 @@ from torch._C import _distributed_c10d as c10d
 
 from ..faults import COMPUTE, DATA, LOG, REDUCE, progress_key, where
 from ..files import write_json_atomic
-from ..runfolder import renew_lease
+from ..runfolder import HANGS, HEARTBEAT, renew_lease
 from .signals import EXIT_HANG
 
 __all__ = ["COMPUTE", "DATA", "LOG", "REDUCE", "DeviceProgress", "Watchdog", "who_stopped"]
@@ -197,7 +197,7 @@ class Watchdog:
         t = self.timeouts
         return (f"watchdog: a rank making no progress is ended after {t.step:g} s in a step, {t.startup:g} s until the "
                 f"first step has ended, {t.long:g} s in checkpoints, resume and evaluation (fault.*); heartbeats every "
-                f"{self.heartbeat_s:g} s in {self.out / 'heartbeat'}")
+                f"{self.heartbeat_s:g} s in {self.out / HEARTBEAT}")
 
     def mark(self, phase: str, step: int | None = None) -> None:
         """Progress: this rank entered ``phase`` now (of ``step``, if given). No I/O: the thread publishes it."""
@@ -232,7 +232,7 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if not self.enabled:
             return self
-        (self.out / "heartbeat").mkdir(parents=True, exist_ok=True)
+        (self.out / HEARTBEAT).mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="convit-scale-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -256,7 +256,7 @@ class Watchdog:
         if not self.enabled:
             return
         try:
-            write_json_atomic(self.out / "heartbeat" / f"rank_{self.rank}.json", self.beat(state), fsync=False)
+            write_json_atomic(self.out / HEARTBEAT / f"rank_{self.rank}.json", self.beat(state), fsync=False)
         except OSError:
             pass  # a full or vanished file system must not end a rank that is training
         if self.rank == 0 and state == "running":  # the run folder's lease, renewed with rank 0's heartbeat
@@ -296,7 +296,7 @@ class Watchdog:
         the waiting ranks. One reader keeps the load on a shared file system at one file per rank per period."""
         if self.rank != 0 or not self.started or self.frozen_s:
             return None
-        silent = [b for b in read_beats(self.out / "heartbeat", self.launch)
+        silent = [b for b in read_beats(self.out / HEARTBEAT, self.launch)
                   if b["rank"] != self.rank and b.get("state") == "running" and b.get("started")
                   and now - b["alive"] > self.timeouts.step]
         return min(silent, key=lambda b: b["alive"]) if silent else None
@@ -306,15 +306,15 @@ class Watchdog:
         if not self.enabled:
             return
         try:
-            (self.out / "hangs").mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.out / "hangs" / DUMP_REQUEST, {"rank": self.rank, "node": self.node,
+            (self.out / HANGS).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.out / HANGS / DUMP_REQUEST, {"rank": self.rank, "node": self.node,
                               "launch": self.launch, "reason": reason, "time": time.time()}, fsync=False)
         except OSError:
             pass  # the report that follows still has this rank's own stacks
 
     def _answer_request(self) -> None:
         """Write this rank's stacks when another rank of this launch asked for them (``request_stacks``)."""
-        path = self.out / "hangs" / DUMP_REQUEST
+        path = self.out / HANGS / DUMP_REQUEST
         try:
             mtime = path.stat().st_mtime
             if mtime <= self._request_seen:
@@ -329,7 +329,7 @@ class Watchdog:
                                    f"this rank had been in {where(self.step, self.phase)} for "
                                    f"{time.time() - self.since:.0f} s", child_states())
         if self._traced:  # the collectives this rank entered: beside the asking rank's, who waited on whom
-            dump_flight_recorder(self.out / "hangs" / f"rank_{self.rank}.nccl_trace.pkl")
+            dump_flight_recorder(self.out / HANGS / f"rank_{self.rank}.nccl_trace.pkl")
         print(f"[convit-scale] rank {self.rank} on {self.node}: every thread's stack in {stacks} (asked by rank "
               f"{req.get('rank')}: {req.get('reason')})", file=sys.stderr, flush=True)
 
@@ -341,7 +341,7 @@ class Watchdog:
     def write_stacks(self, headline: str, children: list[dict] | None = None) -> Path:
         """Every thread's Python stack (faulthandler: works from this thread, whatever the main thread is doing),
         then this rank's child processes (its loader workers) with their state and wait channel."""
-        hangs = self.out / "hangs"
+        hangs = self.out / HANGS
         hangs.mkdir(parents=True, exist_ok=True)
         stacks = hangs / f"rank_{self.rank}.stacks.txt"
         with open(stacks, "w") as f:
@@ -358,7 +358,7 @@ class Watchdog:
         """Stacks (this rank's, and every other rank's asked for), flight recorder, report, then ``on_hang``
         (default: end the process with ``EXIT_HANG``). ``peer``: the heartbeat of another rank that stopped writing
         it (``_silent_peer``), the one this report is about."""
-        hangs = self.out / "hangs"
+        hangs = self.out / HANGS
         what = (f"no heartbeat from {_where(peer)} for {waited:.0f} s (in {where(peer['step'], peer['phase'])})"
                 if peer else f"no progress for {waited:.0f} s in {where(self.step, self.phase)}")
         self.request_stacks(f"its watchdog fired: {what}")
@@ -374,7 +374,7 @@ class Watchdog:
                        "waiting": [], "summary": f"rank {self.rank} on {self.node} was stopped for "
                        f"{self.frozen_s:.0f} s (its watchdog did not run) in {where(self.step, self.phase)}"}
         else:
-            beats = read_beats(self.out / "heartbeat", self.launch)
+            beats = read_beats(self.out / HEARTBEAT, self.launch)
             verdict = who_stopped(beats, self.world_size, time.time(), self.heartbeat_s)
         report = {"rank": self.rank, "node": self.node, "pid": self.pid, "step": self.step, "phase": self.phase,
                   "waited_s": round(waited, 1), "limit_s": limit, "time": time.time(), "since": self.since,
