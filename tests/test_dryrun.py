@@ -9,6 +9,7 @@ not the suite's. The first run on a machine builds the driverless CUDA extension
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -139,6 +140,23 @@ def test_plan_dry_run_prints_and_answers_json(tmp_path, capsys):
     assert not torch.cuda.is_available() and not torch.distributed.is_initialized()
     assert main(["plan", "--recipe", recipe, "--json"]) == 2  # a flag of --dry-run alone: refused, not ignored
     assert "--dry-run" in capsys.readouterr().err
+
+
+def test_a_process_that_ran_a_backward_on_the_cpu_first_can_dry_run(tmp_path):
+    """The autograd engine sizes its per-device threads at a process's first backward: a dry run after a CPU backward
+    (a notebook, a test worker) found none for cuda. Run where the engine started before the driverless CUDA."""
+    from tests.support import PY, run_group
+
+    tiny(tmp_path)
+    code = ("import torch, sys; x = torch.ones(2, requires_grad=True); (x * 2).sum().backward()\n"
+            "from convit_scale.cli import main\n"
+            f"code = main(['plan', '--recipe', {str(tmp_path / 'tiny.yaml')!r}, '--dry-run', '--nodes', '1', "
+            "'--gpus-per-node', '2', '--steps', '3', '--json', 'parallel.strategy=ddp'])\n"
+            "assert torch.autograd.is_multithreading_enabled()  # put back after the dry run\n"
+            "sys.exit(code)")
+    proc = run_group([PY, "-c", code], 300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["host_waits"]["per_step"] == 1
 
 
 def test_a_torch_that_cannot_simulate_is_one_line(tmp_path, capsys, monkeypatch):

@@ -281,7 +281,10 @@ def simulated_gpus(world: int, gpus_per_node: int, census: Census):
         register_backends()
         torch._C._set_only_lift_cpu_tensors(True)
         torch.__future__.set_swap_module_params_on_conversion(True)
-        with launch_env(0, world, gpus_per_node), Route(fake, census):
+        # The backward runs on the calling thread: the engine sizes its per-device threads once per process, at its
+        # first backward, and a process that ran one before the driverless CUDA was registered has none for cuda
+        with launch_env(0, world, gpus_per_node), Route(fake, census), \
+                torch.autograd.set_multithreading_enabled(False):
             dist.init_process_group(FAKE_BACKENDS, store=FakeStore(), rank=0, world_size=world)
             try:
                 yield
