@@ -14,7 +14,7 @@ import difflib
 import re
 import sys
 
-from .. import __version__
+from .. import __version__, entry
 from ..errors import BadInput
 from ..runfolder import EXIT_BAD_INPUT
 from . import analyze, bench, config, evaluate, experiment, export, models, plan, prep, train
@@ -125,6 +125,13 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's exit status; as the process's entry point (no ``argv``: the ``convit-scale`` script,
+    ``python -m convit_scale.cli``) without a last collection at exit over what torch and timm made (entry.py)."""
+    code = _run(argv)
+    return entry.exiting(code) if argv is None else code
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)

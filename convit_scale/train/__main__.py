@@ -13,6 +13,11 @@ import json
 import os
 import sys
 
+from .. import entry
+
+if __name__ == "__main__":
+    entry.importing()  # a rank's start: no collections while torch and timm import (entry.py)
+
 from ..config import ConfigError, find_recipe, load_config
 from ..errors import BadInput
 from ..runfolder import FolderHeld
@@ -57,4 +62,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry.imported()
+    sys.exit(entry.exiting(main()))
