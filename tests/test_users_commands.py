@@ -104,6 +104,7 @@ def test_sbatch_convit_b_plus_as_typed(fm_wds, tmp_path):
             log.unlink(missing_ok=True)
     assert info["JobState"] == "COMPLETED", text[-4000:]
     assert "== nodes 4, tasks/GPUs per node 8, launcher srun" in text
+    assert "model:" in text  # the resolved recipe is printed at the top of the log
     assert "32 rank(s) on cpu" in text and "global batch 512 = micro 16 x accumulation 1 x world 32" in text
     # 80 CPUs configured per node over this machine's few cores: each rank's share of the cores in OpenMP threads,
     # not the 10 of --cpus-per-task (320 spinning threads on 2 cores)
