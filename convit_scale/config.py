@@ -515,8 +515,8 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints beside training: the step pays for the copy of the state to host memory, the files are
     written, listed and published (``latest``) by a background thread once every rank's write completed; the next
-    save, a stop and the end wait for it (at most one save in flight). DDP and FSDP2 (torch.distributed.checkpoint's
-    async_save); ZeRO saves at once and refuses it (docs/failures.md says why)."""
+    save, a stop and the end wait for it (at most one save in flight). DDP and FSDP2: torch.distributed.checkpoint's
+    async_save; ZeRO: DeepSpeed's own files, serialized into host memory by the step and written by that thread."""
 
     def validate(self, fail) -> None:
         if not isinstance(self.async_save, bool):
@@ -685,9 +685,6 @@ class Config:
             getattr(self, f.name).validate(fail)
         if self.model.distill_token and not self.distill.enabled:
             fail("model.distill_token", True, "the distillation token needs distill.enabled = true")
-        if self.checkpoint.async_save and self.parallel.strategy.startswith("zero"):
-            fail("checkpoint.async_save", True, f"parallel.strategy {self.parallel.strategy} saves at once "
-                 f"(DeepSpeed's engine writes its own files); set checkpoint.async_save=false, or use ddp or fsdp2")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

@@ -265,8 +265,6 @@ class Layout:
         if self.strategy == "fsdp2":
             out += [f"parallel.hsdp_replicas={self.hsdp_replicas}",
                     f"parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}"]
-        if self.strategy.startswith("zero"):  # ZeRO saves at once (the GPU recipes save beside training)
-            out.append("checkpoint.async_save=false")
         return out
 
     def apply(self, p: ParallelConfig) -> ParallelConfig:

@@ -4,8 +4,7 @@
 #   DATA_DIR      prepared data folder (sets data.train_path and data.val_path)
 #   OUTPUT_DIR    run folder (default: the recipe's run.output_dir, as `convit-scale train` uses it); checkpoints
 #                 there survive requeues
-#   OVERRIDES     extra dotted overrides, space separated (e.g. "parallel.strategy=zero3
-#                 checkpoint.async_save=false data.num_workers=10")
+#   OVERRIDES     extra dotted overrides, space separated (e.g. "parallel.strategy=zero3 data.num_workers=10")
 #   LAUNCHER      srun (default: one task per GPU) or torchrun (one torchrun per node, static rendezvous;
 #                 needs a torch whose torchrun has --signals-to-handle, torch 2.9 and later)
 #   PYTHON        the ranks' interpreter (default .venv/bin/python, else python3); the checks before training run it

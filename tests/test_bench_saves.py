@@ -3,7 +3,7 @@
 
 def test_saves_bench_runs_each_variant_and_counts_its_saves(tmp_path):
     """At test size on 1 rank (in this process): 5 steps, a save every 2 steps (steps 2 and 4; 5 is the end's), each
-    variant's wall-clock against the run without saves; ZeRO has no variant beside training."""
+    variant's wall-clock against the run without saves."""
     from convit_scale.bench.saves import bench_saves
 
     res = bench_saves(tmp_path, "convit_nano", 28, 1, ["ddp"], 5, 2, 1)

@@ -127,7 +127,7 @@ def test_bad_zero_keys_are_refused(override, needle):
 def test_planner_reads_the_engines_zero_sizes():
     """zero3's buffers in the plan are the engine's: buckets of a tenth of the model on a GPU as on the CPU."""
     cfg = load_config("recipes/table1/convit_base_plus.yaml",
-                      ["parallel.strategy=zero3", "checkpoint.async_save=false"])
+                      ["parallel.strategy=zero3"])
     P = model_facts(cfg).params
     (gpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", layouts=("zero3",))
     (cpu,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="cpu", layouts=("zero3",))
@@ -135,7 +135,6 @@ def test_planner_reads_the_engines_zero_sizes():
     assert math.isclose(gpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * tenth)  # bf16 ipg bucket, a tenth
     assert math.isclose(cpu["grads_gib"] * 2**30, 2 * P / 8 + 2 * tenth)
     cfg = load_config("recipes/table1/convit_base_plus.yaml", ["parallel.strategy=zero3",
-                                                                "checkpoint.async_save=false",
                                                                 "parallel.zero_bucket_elements=1000000"])
     (small,) = plan(cfg, nodes=1, gpus_per_node=8, gpu="h100-80gb", layouts=("zero3",))
     assert math.isclose(small["grads_gib"] * 2**30, 2 * P / 8 + 2 * 1e6)

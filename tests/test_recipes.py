@@ -49,10 +49,9 @@ def test_every_recipe_loads(path):
         assert cfg.paper.table == path.parent.name[-1] and cfg.paper.top1 is not None
     if path.parent.name.startswith(("table", "appendix")):  # Table 1 is the final epoch (the last checkpoint)
         assert cfg.paper.compare_with == "top1" and "Compare the final epoch's top1" in path.read_text()
-        # GPU recipes: saved by time at plan's advice, beside training where the strategy can (not per ~21 s epoch)
+        # GPU recipes: saved by time at plan's advice, beside training (not per ~21 s epoch)
         ck = cfg.checkpoint
-        assert (ck.every_epochs, ck.every_minutes) == (None, "auto"), path.name
-        assert ck.async_save == (cfg.parallel.strategy in ("ddp", "fsdp2")), path.name
+        assert (ck.every_epochs, ck.every_minutes) == (None, "auto") and ck.async_save, path.name
 
 
 def test_table1_rows():

@@ -1,4 +1,5 @@
-"""Checkpoints written beside training (checkpoint.async_save): DCP's async_save under 2 gloo ranks."""
+"""Checkpoints written beside training (checkpoint.async_save) under 2 gloo ranks: DCP's async_save (DDP) and
+DeepSpeed's files staged in host memory (ZeRO-2)."""
 
 import json
 
@@ -10,37 +11,44 @@ from convit_scale.runfolder import check_listing
 pytestmark = pytest.mark.slow
 
 
-def _run(fm_tree, tmp_path, name, async_save, max_steps, resume="auto"):
+def _run(fm_tree, tmp_path, name, async_save, max_steps, resume="auto", strategy="ddp"):
     out = tmp_path / name
     recipe = tiny_recipe(tmp_path / f"{name}.yaml", "imagefolder", fm_tree, out,
-                         parallel={"strategy": "ddp", "precision": "fp32", "timeout_s": 60},
+                         parallel={"strategy": strategy, "precision": "fp32", "timeout_s": 60},
                          checkpoint={"every_steps": 2, "async_save": async_save, "keep_last": 5, "resume": resume},
                          schedule={"epochs": 2, "warmup_epochs": 1, "max_steps": max_steps})
     return {"recipe": recipe, "overrides": []}, out
 
 
 def test_async_saves_publish_after_the_write_and_resume_bit_exactly(fm_tree, tmp_path):
-    """The same run saving beside training and at once: the same checkpoints published, the same losses; a run
-    resumed from an async save continues as the sync run did."""
-    sync, sync_out = _run(fm_tree, tmp_path, "sync", False, 6)
-    first, async_out = _run(fm_tree, tmp_path, "async", True, 4)
-    second, _ = _run(fm_tree, tmp_path, "async", True, 6)
-    assert run_many([sync, first, second], tmp_path / "ranks") == [0, 0, 0]
-    names = sorted(p.name for p in (sync_out / "checkpoints").glob("step_*"))
-    assert sorted(p.name for p in (async_out / "checkpoints").glob("step_*")) == names
-    assert not list((async_out / "checkpoints").glob("*.tmp"))
-    saves = records(async_out, "checkpoint")
-    assert any(r["background"] for r in saves) and not any(r["background"] for r in records(sync_out, "checkpoint"))
-    sync_losses = {r["step"]: r["loss"] for r in records(sync_out)}
-    async_losses = {r["step"]: r["loss"] for r in records(async_out)}
-    assert async_losses == sync_losses  # bit-exact: the resumed steps 5 and 6 as well
-    meta = json.loads((async_out / "checkpoints" / names[-1] / "meta.json").read_text())
-    assert meta["step"] == 6
-    for name in names:  # the background publication lists every rank's files, as a save at once does
-        ckpt = async_out / "checkpoints" / name
-        files = json.loads((ckpt / "meta.json").read_text())["files"]
-        assert {"dcp/.metadata", "rng_rank0.pt", "rng_rank1.pt"} <= set(files) and not check_listing(ckpt, files)
-        assert set(files) == set(json.loads((sync_out / "checkpoints" / name / "meta.json").read_text())["files"])
+    """Per strategy, the same run saving beside training and at once: the same checkpoints published with the same
+    files, the same losses; a run resumed from an async save continues as the sync run did."""
+    plan, outs = [], {}
+    for strategy in ("ddp", "zero2"):
+        for name, async_save, steps in (("sync", False, 6), ("async", True, 4), ("async", True, 6)):
+            run, outs[strategy, name] = _run(fm_tree, tmp_path, f"{strategy}-{name}", async_save, steps,
+                                             strategy=strategy)
+            plan.append(run)
+    assert run_many(plan, tmp_path / "ranks") == [0] * len(plan)
+    for strategy, marker in (("ddp", "dcp/.metadata"), ("zero2", "zero/mp_rank_00_model_states.pt")):
+        sync_out, async_out = outs[strategy, "sync"], outs[strategy, "async"]
+        names = sorted(p.name for p in (sync_out / "checkpoints").glob("step_*"))
+        assert sorted(p.name for p in (async_out / "checkpoints").glob("step_*")) == names, strategy
+        assert not list((async_out / "checkpoints").glob("*.tmp"))
+        saves = records(async_out, "checkpoint")
+        assert any(r["background"] for r in saves) and not any(r["background"]
+                                                               for r in records(sync_out, "checkpoint"))
+        sync_losses = {r["step"]: r["loss"] for r in records(sync_out)}
+        async_losses = {r["step"]: r["loss"] for r in records(async_out)}
+        assert async_losses == sync_losses, strategy  # bit-exact: the resumed steps 5 and 6 as well
+        meta = json.loads((async_out / "checkpoints" / names[-1] / "meta.json").read_text())
+        assert meta["step"] == 6
+        for name in names:  # the background publication lists every rank's files, as a save at once does
+            ckpt = async_out / "checkpoints" / name
+            files = json.loads((ckpt / "meta.json").read_text())["files"]
+            assert {marker, "rng_rank0.pt", "rng_rank1.pt"} <= set(files) and not check_listing(ckpt, files)
+            sync_files = json.loads((sync_out / "checkpoints" / name / "meta.json").read_text())["files"]
+            assert set(files) == set(sync_files), (strategy, name)
 
 
 def test_a_kill_during_an_async_save_never_publishes_it(fm_tree, tmp_path):

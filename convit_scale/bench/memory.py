@@ -24,8 +24,7 @@ def zero_overrides(strategy: str, params: int) -> list[str]:
         return []
     z = zero_sizes(ParallelConfig(strategy=strategy), params, "cpu")
     out = [f"parallel.zero_bucket_elements={z['bucket']}",
-           f"parallel.zero_overlap_comm={str(z['overlap_comm']).lower()}",
-           "checkpoint.async_save=false"]  # ZeRO saves at once (the demo recipe saves beside training)
+           f"parallel.zero_overlap_comm={str(z['overlap_comm']).lower()}"]
     if strategy == "zero3":
         out += [f"parallel.zero_param_persistence_threshold={z['param_persistence_threshold']}",
                 f"parallel.zero_prefetch_bucket_elements={z['prefetch_bucket']}",

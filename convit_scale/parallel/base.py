@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from .. import comm
 from ..config import ParallelConfig
 
 
@@ -131,10 +132,20 @@ class Strategy:
         raise NotImplementedError
 
     def save_async(self, directory: Path):
-        """Start a save whose files are written beside training (``checkpoint.async_save``); returns a future of the
-        write (its ``result()`` waits). Only the strategies that have one (DDP, FSDP2): the config refuses it for
-        the others."""
+        """Start a save whose files are written beside training (``checkpoint.async_save``); returns an object whose
+        ``result()`` waits for (or does) the write, which the background publication calls on a thread of its own.
+        Its collectives go through ``save_group``."""
         raise NotImplementedError(f"strategy {self.name} has no save beside training (checkpoint.async_save)")
+
+    save_group = None
+    """The gloo group of the background saves' collectives (``background_group``, made at the first one)."""
+
+    def background_group(self):
+        """``save_group``, made at the first background save (a collective: every rank reaches its first save).
+        Under NCCL the step's collectives go on while the publication's go through it."""
+        if self.save_group is None and comm.is_initialized():
+            self.save_group = torch.distributed.new_group(backend="gloo")
+        return self.save_group
 
     def load(self, directory: Path, saved_world_size: int) -> None:
         """Load the state ``save`` wrote into ``directory`` on ``saved_world_size`` ranks (any world size may load

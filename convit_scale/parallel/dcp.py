@@ -15,8 +15,6 @@ from .. import comm
 
 class DCPStateMixin:
     scaler: torch.amp.GradScaler | None = None
-    save_group = None
-    """The gloo group of the background saves' collectives (made at the first one)."""
     _writer: FileSystemWriter | None = None
     """The background saves' writer, which keeps their staging buffers (one save in flight at a time)."""
 
@@ -37,13 +35,12 @@ class DCPStateMixin:
         the next on GPUs, as torchtitan stages); the files are written by a background thread, whose collectives go
         through a gloo group of their own (under NCCL the step's collectives go on). Returns the future of the
         write."""
-        if self.save_group is None and comm.is_initialized():  # a collective: every rank reaches its first save
-            self.save_group = torch.distributed.new_group(backend="gloo")
+        group = self.background_group()
         if self._writer is None:  # pinned staging needs CUDA; on the CPU each save copies into fresh memory
             self._writer = FileSystemWriter(str(directory / "dcp"), cache_staged_state_dict=torch.cuda.is_available())
         self._save_scaler(directory)
         return dcp.async_save(self._state(), checkpoint_id=str(directory / "dcp"), storage_writer=self._writer,
-                              process_group=self.save_group)
+                              process_group=group)
 
     def load(self, directory: Path, saved_world_size: int | None = None) -> None:
         state = self._state()  # DCP reshards: any saved world size loads

@@ -15,6 +15,7 @@ from .universal import UNIVERSAL, conversion_wait_s, is_converted, scratch_dir, 
 from .zero_config import deepspeed_config
 from .zero_engine import (
     OptimizerGate,
+    StagedFiles,
     cpu_adam_like,
     deepspeed_args,
     knows_bf16_overflow_switch,
@@ -108,6 +109,18 @@ class ZeroStrategy(Strategy):
 
     def save(self, directory: Path) -> None:
         self._engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
+
+    def save_async(self, directory: Path) -> StagedFiles:
+        """DeepSpeed's own save, its files serialized into host memory here and written by the background
+        publication (``zero_engine.StagedFiles``)."""
+        self.background_group()
+        staged = StagedFiles(self._engine.checkpoint_engine)
+        self._engine.checkpoint_engine = staged
+        try:
+            self.save(directory)
+        finally:
+            self._engine.checkpoint_engine = staged.inner
+        return staged
 
     def _convert_on_rank0(self, directory: Path, saved_world_size: int) -> Path:
         """Rank 0 converts ``directory`` to a universal checkpoint while the others wait in a patient group (sized by

@@ -172,7 +172,7 @@ def rehearse_faults(args, shape, parallel: dict) -> dict:
     extra = {"checkpoint": {"every_steps": 2, "keep_last": 4}, "fault": FAULT_SECTION,
              "data": {"num_workers": 1 if "worker" in kinds else 0}}
     recipe = write_recipe(out / "recipe.yaml", data, out / "uninterrupted", parallel, args.steps, batch, extra=extra,
-                          async_save=saves_beside_training(shape, parallel))
+                          async_save=saves_beside_training(shape))
     names = ["uninterrupted"] + [f"fault_{k}" for k in kinds]
     for name in names:
         shutil.rmtree(out / name, ignore_errors=True)

@@ -120,13 +120,12 @@ def layout(shape: JobShape, overrides: list[str]) -> dict:
     return p
 
 
-def saves_beside_training(shape: JobShape, parallel: dict) -> bool:
+def saves_beside_training(shape: JobShape) -> bool:
     """Whether the rehearsal's checkpoints are written beside training: as the script's recipe writes them
-    (``checkpoint.async_save``), where the layout can (ZeRO saves at once)."""
+    (``checkpoint.async_save``)."""
     from convit_scale.config import find_recipe, load_config
 
-    ck = load_config(find_recipe(shape.recipe), []).checkpoint
-    return ck.async_save and not parallel["strategy"].startswith("zero")
+    return load_config(find_recipe(shape.recipe), []).checkpoint.async_save
 
 
 def recipe_batch(shape: JobShape) -> tuple[int, int]:
@@ -501,7 +500,7 @@ def rehearse(args, shape: JobShape, parallel: dict) -> dict:
     batch = recipe_batch(shape)
     data = prepare_data(out / "data", batch[0])
     recipe = write_recipe(out / "recipe.yaml", data, out / "interrupted", parallel, args.steps, batch,
-                          async_save=saves_beside_training(shape, parallel))
+                          async_save=saves_beside_training(shape))
     for name in ("interrupted", "uninterrupted"):
         shutil.rmtree(out / name, ignore_errors=True)
         (out / f"{name}.out").unlink(missing_ok=True)
