@@ -198,7 +198,7 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background
     refuses (no space, a quota, a read-only or forbidden folder), raises :class:`StorageError` on every rank, with
     nothing published: the earlier checkpoints stay as they were.
 
-    With ``background`` (DDP and FSDP2), the step pays for the copy of the state into host memory; the files are
+    With ``background`` (every strategy), the step pays for the copy of the state into host memory; the files are
     written, listed (sizes and checksums) and published by a thread of each rank once every rank's write completed,
     its collectives through the strategy's gloo save group: a crash or a kill before then leaves ``latest`` on the
     previous checkpoint. Its failure raises at the next save, the stop save or the end (:func:`wait_for_save`)."""
