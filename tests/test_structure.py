@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = (REPO / "convit_scale", REPO / "data_prep")
 
 LAYERS = [
-    ["convit_scale.files", "convit_scale.entry", "convit_scale.jpeg_roi", "convit_scale.errors", "convit_scale.runfolder"],
+    ["convit_scale.files", "convit_scale.entry", "convit_scale.jpeg_roi", "convit_scale.errors",
+     "convit_scale.runfolder"],
     ["convit_scale.comm", "convit_scale.faults", "convit_scale.slurm_scripts", "convit_scale.hardware",
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
      "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
