@@ -200,8 +200,8 @@ def test_a_micro_batch_slice_is_a_view_of_the_steps_memory():
 
 
 def test_an_ffcv_file_whose_hand_over_would_not_fit_resizes_on_the_cpu_or_is_refused(fm_ffcv, monkeypatch, capsys):
-    """ffcv's buffers hold a row per view sized for the file's largest image: where they would pass the budget (a
-    .beton of huge originals), resize_on auto keeps the CPU resize and says so; resize_on device is refused."""
+    """Where the slots packing the first epoch's largest batch would pass the budget, resize_on auto keeps the CPU
+    resize and says so; resize_on device is refused."""
     from convit_scale.data import DataError, ffcv
 
     monkeypatch.setattr(ffcv, "HANDOVER_BUDGET_BYTES", 1000)
@@ -211,6 +211,94 @@ def test_an_ffcv_file_whose_hand_over_would_not_fit_resizes_on_the_cpu_or_is_ref
     d = DataConfig(format="ffcv", train_path=str(fm_ffcv), val_path=str(fm_ffcv), resize_on="device", num_workers=0)
     with pytest.raises(DataError, match=r"GiB of loader buffers per rank .* --max-resolution 512"):
         build_loader(d, LoaderSpec("train", 28, 16, augment_on_device=True, handover="box"))
+
+
+@pytest.fixture(scope="module")
+def originals_ffcv(tmp_path_factory):
+    """A .beton that keeps its originals (``prep ffcv``'s default): 63 small photographs and one of 1200 x 900."""
+    from data_prep import PrepOptions, prepare
+
+    tree = tmp_path_factory.mktemp("originals") / "tree"
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for k in range(64 if split == "train" else 8):
+            size = (900, 1200) if (split, k) == ("train", 17) else (30 + k % 7, 40 + k % 5)
+            folder = tree / split / f"c{k % 2}"
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = (np.add.outer(np.arange(size[0]), np.arange(size[1])) % 256).astype(np.uint8)
+            image = np.stack([pixels, pixels[::-1], rng.integers(0, 256, size, dtype=np.uint8)], axis=-1)
+            Image.fromarray(image).save(folder / f"{k:03d}.JPEG", quality=90)
+    out = tmp_path_factory.mktemp("originals_ffcv")
+    prepare(tree, out, PrepOptions(fmt="ffcv", workers=1))
+    return out
+
+
+def _same_as_the_pixel_mode(handed, pixels, spec, epoch=0):
+    for a, b in zip(pixels.epoch(epoch), handed.epoch(epoch), strict=True):
+        assert torch.equal(a.labels, b.labels) and a.ids == b.ids and a.bad == b.bad
+        x, _ = batch_on_device(b, CPU, 28, spec.group_size)
+        assert (x.int() - a.images.contiguous().int()).abs().max() <= 1
+
+
+def test_a_beton_of_originals_hands_over_in_slots_sized_for_its_batches_not_its_largest_photograph(
+        originals_ffcv, monkeypatch):
+    """Each slot packs its batch: 5 slots of the largest batch's boxes, not 32 views x 5 slots of rows sized for the
+    1200 x 900 photograph (518 MB): under a 64 MB budget the boxes are still handed over, with the pixel mode's views.
+    An epoch whose largest batch is larger than the slots makes them again, before its first batch."""
+    from ffcv.reader import Reader
+
+    from convit_scale.data import ffcv
+    from convit_scale.data.ffcv_decoders import handover_bytes
+
+    monkeypatch.setattr(ffcv, "HANDOVER_BUDGET_BYTES", 64 * 2**20)
+    monkeypatch.setattr(ffcv, "ARENA_MARGIN", 1.0)
+    seen = []
+    unpack = ffcv.unpack_views
+    monkeypatch.setattr(ffcv, "unpack_views", lambda arena, *a: seen.append(arena.shape[1]) or unpack(arena, *a))
+    handed, spec = _loader("ffcv", originals_ffcv, "box")
+    pixels, _ = _loader("ffcv", originals_ffcv, "pixels")
+    first = handed._arena
+    assert handed.handover == "box" and first * 5 < 16 * 2**20
+    _same_as_the_pixel_mode(handed, pixels, spec)
+    reader = Reader(str(next(originals_ffcv.glob("train*.beton"))))
+    later = next(e for e in range(1, 100) if handover_bytes("box", reader, "image", handed.views(e), 32) > first)
+    _same_as_the_pixel_mode(handed, pixels, spec, later)
+    assert handed._packer.arena == handover_bytes("box", reader, "image", handed.views(later), 32) > first
+    assert seen == [first] * 2 + [handed._packer.arena] * 2
+
+
+def test_a_replacement_that_does_not_fit_its_slot_is_packed_into_memory_of_its_own(originals_ffcv, tmp_path,
+                                                                                  monkeypatch):
+    """A corrupt JPEG just before the large photograph in its canonical group takes the photograph's box (drawn
+    with its own seed), which the slot, sized for the batch's own boxes, cannot hold: the batch is packed into memory
+    of its own, with the pixel mode's views and its listed replacement; the other batches use the slot."""
+    import shutil
+
+    from ffcv.reader import Reader
+
+    from convit_scale.data import ffcv
+    from convit_scale.data.ffcv_decoders import ARENA_MARGIN, FILE_INDEX
+
+    monkeypatch.setattr(ffcv, "ARENA_MARGIN", 1.0)
+    path = tmp_path / "ffcv"
+    shutil.copytree(originals_ffcv, path)
+    beton = next(path.glob("train*.beton"))
+    reader = Reader(str(beton))
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    large = int(np.flatnonzero(meta["height"] == 900)[0])
+    order = _loader("ffcv", path, "box")[0].views(0) & FILE_INDEX
+    p = int(np.flatnonzero(order == large)[0])
+    corrupt = int(order[p - 1 if p % 8 else p + 7])  # the view before the photograph's, cyclically in its group
+    with open(beton, "r+b") as f:
+        f.seek(int(meta["data_ptr"][corrupt]))
+        f.write(b"\0\0\0\0")
+    seen = []
+    unpack = ffcv.unpack_views
+    monkeypatch.setattr(ffcv, "unpack_views", lambda arena, *a: seen.append(arena.shape[1]) or unpack(arena, *a))
+    handed, spec = _loader("ffcv", path, "box")
+    assert ARENA_MARGIN > 1.0 and handed.handover == "box"
+    _same_as_the_pixel_mode(handed, _loader("ffcv", path, "pixels")[0], spec)
+    assert len(seen) == 2 and max(seen) > handed._packer.arena and min(seen) == handed._packer.arena == handed._arena
 
 
 def test_views_no_decoder_reads_count_against_the_limit_on_every_rank_alike():

@@ -18,7 +18,6 @@ import torch
 from ..ffcv_threads import importing_ffcv
 
 with importing_ffcv():
-    from ffcv.fields.rgb_image import IMAGE_MODES
     from ffcv.loader import Loader, OrderOption
     from ffcv.reader import Reader
     from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
@@ -30,6 +29,7 @@ from ..manifest import FFCV_FIELDS, Manifest, read_ffcv_labels
 from .batch import Batch
 from .faults import DataError, limit_bad_samples, next_good
 from .ffcv_decoders import (
+    ARENA_MARGIN,
     FILE_INDEX,
     ID_BITS,
     REPLACED,
@@ -40,6 +40,7 @@ from .ffcv_decoders import (
     SeededJpegDecoder,
     TimmEvalDecoder,
     ViewLabelDecoder,
+    handover_bytes,
     unpack_views,
 )
 from .ffcv_epoch import EpochIterator
@@ -48,8 +49,8 @@ from .order import view_seeds
 from .private_aug import PrivateAugment
 
 HANDOVER_BUDGET_BYTES = 8 * 2**30
-"""The most a rank's FFCV loader may hold for handing views over (``FfcvLoader._handover``): its slots of rows sized
-for the file's largest image; a .beton of 512-pixel images at batch 256 and 8 workers needs about 4 GiB."""
+"""The most a rank's FFCV loader may hold for handing views over (``FfcvLoader._handover``): its slots, each packing
+one batch's views."""
 
 
 def subset_indices(manifest: Manifest, split: str, fraction: float, fields: tuple[str, str] = FFCV_FIELDS,
@@ -94,26 +95,22 @@ class FfcvLoader:
         return self.geometry.num_batches
 
     def _handover(self, d: DataConfig, spec: LoaderSpec) -> str:
-        """``spec.handover``, where ffcv's buffers for it fit ``HANDOVER_BUDGET_BYTES``: a view handed over has a row
-        of its own sized for the file's largest image (its box, or its raw pixels), in each of the epoch's slots. A
-        .beton that keeps huge originals (``prep ffcv``'s default keeps every JPEG) resizes on the CPU under
-        ``resize_on: auto`` (said once), and is refused where the recipe asks for the hand-over."""
+        """``spec.handover``, where ffcv's buffers for it fit ``HANDOVER_BUDGET_BYTES``: each of the epoch's slots
+        packs its batch's views (``ffcv_decoders._HandoverDecoder``), sized for the largest batch of the first
+        epoch (``handover_bytes``) with ``ARENA_MARGIN``. A .beton whose batches of boxes would not fit resizes on
+        the CPU under ``resize_on: auto`` (said once), and is refused where the recipe asks for the hand-over."""
         if spec.handover == "pixels":
             return "pixels"
-        reader = Reader(str(self._path))
-        field = reader.metadata[f"f{reader.field_names.index(d.ffcv_fields[0])}"]
-        largest = int(field["height"].astype(np.int64).max() * field["width"].astype(np.int64).max() * 3)
-        if spec.handover == "jpeg":
-            raw = bool((field["mode"] != IMAGE_MODES["jpg"]).any())
-            largest = max(int(reader.alloc_table["size"].max()), largest if raw else 0)
+        self._arena = self._arena_bytes(spec.handover, self.views(0))
         workers = max(1, d.num_workers)
         slots = (max(1, -(-3 // workers)) + 1) * workers + 1  # EpochIterator's, at ffcv's batches_ahead = 3
-        need = largest * spec.micro_batch_size * slots
+        need = self._arena * slots
         if need <= HANDOVER_BUDGET_BYTES:
             return spec.handover
         why = (f"{self._path}: handing views over to the device needs {need / 2**30:.1f} GiB of loader buffers per "
-               f"rank ({spec.micro_batch_size} views x {slots} slots x {largest / 2**20:.1f} MiB, the file's largest "
-               f"image), over {HANDOVER_BUDGET_BYTES / 2**30:.0f} GiB")
+               f"rank ({slots} slots x {self._arena / 2**20:.1f} MiB, the largest batch of {spec.micro_batch_size} "
+               f"views' {'crop boxes' if spec.handover == 'box' else 'files'} in the first epoch), over "
+               f"{HANDOVER_BUDGET_BYTES / 2**30:.0f} GiB")
         if d.resize_on == "auto" and d.decode_on == "cpu":
             if spec.rank == 0:
                 print(f"[convit-scale] {why}: the crops are resized on the CPU (convert with `convit-scale prep ffcv "
@@ -121,16 +118,22 @@ class FfcvLoader:
             return "pixels"
         raise DataError(f"{why}; convert with `convit-scale prep ffcv --max-resolution 512`, or data.resize_on=cpu")
 
+    def _arena_bytes(self, kind: str, views: np.ndarray) -> int:
+        """A slot's arena for ``views`` (an epoch's, in order): their largest batch with ``ARENA_MARGIN``."""
+        largest = handover_bytes(kind, Reader(str(self._path)), self.d.ffcv_fields[0], views,
+                                 self.spec.micro_batch_size, self.d.crop_scale)
+        return int(largest * ARENA_MARGIN)
+
     def _image_pipeline(self) -> list:
         d, size, on_device = self.d, self.spec.img_size, self.spec.augment_on_device
         if not self.spec.train:
             return [TimmEvalDecoder((size, size), d.eval_crop_ratio, d.interpolation), ToTensor(),
                     ToTorchImage(channels_last=False)] + ([] if on_device else [EvalNormalize()])
-        if self.handover == "box":  # the box at its own size and the flip: the training device resizes
-            return [SeededBoxDecoder(d.hflip, d.crop_scale, self.spec.group_size), ToTensor()]
-        if self.handover == "jpeg":  # the file's bytes, the box and the flip: the training device decodes
-            sizes = Reader(str(self._path)).alloc_table["size"]
-            return [SeededJpegDecoder(d.hflip, d.crop_scale, int(sizes.max()) if len(sizes) else 0), ToTensor()]
+        if self.handover != "pixels":  # the box at its own size and the flip (the training device resizes), or the
+            # file's bytes, the box and the flip (the training device decodes), packed into the slot's arena
+            decoder = SeededBoxDecoder if self.handover == "box" else SeededJpegDecoder
+            self._packer = decoder(d.hflip, d.crop_scale, self.spec.group_size, self._arena)
+            return [self._packer, ToTensor()]
         crop = SeededCropFlipDecoder((size, size), d.hflip, d.crop_scale, d.interpolation, self.spec.group_size)
         if on_device:  # uint8 crops, channels-last (also where the hand-over does not fit); the device augments
             return [crop, ToTensor(), ToTorchImage()]
@@ -173,6 +176,10 @@ class FfcvLoader:
         order = self.views(epoch, start_batch)
         if self.spec.train:  # whole micro-batches only (the decoder marks replaced views in this array's memory)
             order = order[:len(order) // loader.batch_size * loader.batch_size]
+        if self.handover != "pixels" and handover_bytes(self.handover, loader.reader, self.d.ffcv_fields[0], order,
+                                                        loader.batch_size, self.d.crop_scale) > self._packer.arena:
+            self._packer.arena = self._arena_bytes(self.handover, order)  # this epoch's boxes: slots made again
+            loader.epoch_buffers = (0, None)
         it = EpochIterator(loader, order)
         try:
             yield from limit_bad_samples(self._batches(it, order), self.d.max_bad_samples, epoch, self.spec.rank)
@@ -187,8 +194,8 @@ class FfcvLoader:
             # stay channels-last (NCHW over the decoder's NHWC memory): a plain copy here, and the transposition
             # happens on the training device (device_augment), not in this thread, which every batch passes through.
             # With pinning, the one copy goes straight into page-locked memory (clone, then pin, would be two).
-            if self.handover != "pixels":  # packed into a batch of their own: the rows are ffcv's buffers
-                images = unpack_views(images, self.handover, self.spec.pin_memory)
+            if self.handover != "pixels":  # packed in the slot's arena (ffcv's buffer): copied out
+                images = unpack_views(images, len(labels), self.handover, self.spec.pin_memory)
             else:
                 images = (torch.empty_like(images, pin_memory=True).copy_(images) if self.spec.pin_memory
                           else images.clone())

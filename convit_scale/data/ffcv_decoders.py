@@ -21,7 +21,6 @@ from ..ffcv_threads import importing_ffcv
 with importing_ffcv():
     from ffcv.fields.basics import IntDecoder
     from ffcv.fields.rgb_image import IMAGE_MODES, RandomResizedCropRGBImageDecoder
-    from ffcv.pipeline.allocation_query import AllocationQuery
     from ffcv.pipeline.compiler import Compiler
     from ffcv.pipeline.operation import Operation
 
@@ -80,7 +79,9 @@ def _decode_or_next(mem_read, group: int, box_of=_whole_image):
     own size over ``scratch``: FfcvLoader raises for that batch.
 
     The box is drawn from the size the .beton records (its header's), before decoding: a replacement's box is
-    drawn over the replacement's size, as when it was decoded whole first."""
+    drawn over the replacement's size, as when it was decoded whole first. Where what a candidate would write (its
+    box, or a raw image whole) does not fit ``scratch``, nothing is written and ``(-1, 0, 0, 0, bytes needed)`` is
+    returned: the caller gives it more room and asks again (a slot's packed hand-over, ``_HandoverDecoder``)."""
     jpg = IMAGE_MODES["jpg"]
 
     def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed):
@@ -92,6 +93,9 @@ def _decode_or_next(mem_read, group: int, box_of=_whole_image):
             image_data = mem_read(field["data_ptr"], storage_state)
             src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
             i, j, h, w = box_of(src_h, src_w, view_seed)
+            need = image_data.size if field["mode"] != jpg else int(h) * int(w) * 3
+            if need > scratch.size:
+                return -1, 0, 0, 0, need
             if field["mode"] != jpg:
                 scratch[:image_data.size] = image_data
                 return i, j, h, w, int(src_w)
@@ -227,8 +231,13 @@ class EvalNormalize(torch.nn.Module):
 
 
 HEADER = 64
-"""Bytes before a handed-over view's payload in its output row (``SeededBoxDecoder``, ``SeededJpegDecoder``):
-little-endian uint32 words; the payload starts 64-byte aligned."""
+"""Bytes of a handed-over view's header (``SeededBoxDecoder``, ``SeededJpegDecoder``): little-endian uint32 words.
+A batch's views are packed into its slot's arena: the headers of its B views first, then their payloads one after
+the other, in view order."""
+
+ARENA_MARGIN = 1.125
+"""A packed slot's room above the largest batch of the epoch it was sized for (``handover_bytes``): the next epochs'
+batches draw other boxes and mostly fit without allocating again."""
 
 
 @numba.njit(nogil=True)
@@ -249,22 +258,67 @@ def _compact_box(buf, stride, i, j, h, w):
             buf[dst + k] = buf[src + k]
 
 
+@numba.njit(nogil=True)
+def _grown(arena, used, need):
+    """A (1, n) arena of at least ``need`` bytes (twice the old one's, at least) holding the old one's first ``used``
+    bytes: the batch's own memory, where a replacement's box did not fit the slot (the consumer copies out of it as
+    out of the slot)."""
+    bigger = np.empty((1, max(need, 2 * arena.shape[1])), np.uint8)
+    bigger[0, :used] = arena[0, :used]
+    return bigger
+
+
+@numba.njit(nogil=True)
+def _largest_batch(views, heights, widths, stored, raw, batch, boxes, scale, log_ratio):
+    """The bytes of the epoch's largest batch of packed views (headers and payloads), ``views`` in their order:
+    a box mode view's box (a raw image's whole pixels, copied before its box is moved to the start), else the
+    view's stored bytes."""
+    best = 0
+    for b0 in range(0, len(views), batch):
+        b1 = min(b0 + batch, len(views))
+        total = (b1 - b0) * HEADER
+        for v in range(b0, b1):
+            f = views[v] & FILE_INDEX
+            if boxes and not raw[f]:
+                _, _, h, w = seeded_crop(heights[f], widths[f], scale, log_ratio, (views[v] & ~REPLACED) >> ID_BITS)
+                total += int(h) * int(w) * 3
+            else:
+                total += int(stored[f])
+        best = max(best, total)
+    return best
+
+
+def handover_bytes(kind: str, reader, field: str, views: np.ndarray, batch: int, scale=(0.08, 1.0),
+                   ratio=(3 / 4, 4 / 3)) -> int:
+    """The largest batch of ``views`` (ids, in the epoch's order) packed as ``kind`` ("box" or "jpeg") hands over,
+    in bytes, from the sizes ``reader`` (an ffcv ``Reader``) records for the image field ``field``: what a slot's
+    arena must hold for the epoch without allocating (a replaced view's box, drawn over its replacement, may not)."""
+    meta = reader.metadata[f"f{reader.field_names.index(field)}"]
+    table = np.sort(reader.alloc_table, order="ptr")
+    stored = table["size"][np.searchsorted(table["ptr"], meta["data_ptr"])].astype(np.int64)
+    raw = np.ascontiguousarray(meta["mode"] != IMAGE_MODES["jpg"])
+    heights = np.ascontiguousarray(meta["height"]).astype(np.uint32)
+    widths = np.ascontiguousarray(meta["width"]).astype(np.uint32)
+    return int(_largest_batch(np.ascontiguousarray(views, dtype=np.uint64), heights, widths, stored, raw, int(batch),
+                              kind == "box", np.array(scale, dtype=np.float64),
+                              np.log(np.array(ratio, dtype=np.float64))))
+
+
 class _HandoverDecoder(RandomResizedCropRGBImageDecoder):
-    """A train view handed over to the training device (``device_images.py``): one output row per view of
-    ``HEADER`` bytes and ``payload`` bytes at most (the largest image: a box is decoded into its row)."""
+    """A batch of train views handed over to the training device (``device_images.py``), packed into its slot's
+    arena of ``arena`` bytes (``HEADER``): the slot holds what its batch hands over, not a row per view sized for
+    the file's largest image (a .beton of the originals, whose largest photograph is tens of MB, hands over as a
+    .beton of 512-pixel images does). ``FfcvLoader`` sizes the arena for each epoch's largest batch
+    (``handover_bytes``); a batch that still does not fit (a replaced view's box drawn over a larger image) is
+    packed into memory of its own (``_grown``). The decoder's output is the (1, n) arena."""
 
-    def __init__(self, flip_prob: float, scale=(0.08, 1.0), group: int = 0):
+    def __init__(self, flip_prob: float, scale=(0.08, 1.0), group: int = 0, arena: int = 0):
         super().__init__((1, 1), scale=tuple(scale), ratio=(3 / 4, 4 / 3))
-        self.flip_prob, self.group = flip_prob, group
-
-    def payload(self) -> int:
-        return int(np.uint64(self.max_height) * np.uint64(self.max_width) * np.uint64(3))
+        self.flip_prob, self.group, self.arena = flip_prob, group, int(arena)
 
     def declare_state_and_memory(self, previous_state):
-        self.max_width = np.uint64(self.metadata["width"].max())
-        self.max_height = np.uint64(self.metadata["height"].max())
-        shape, dtype = (HEADER + self.payload(),), np.dtype("<u1")
-        return replace(previous_state, jit_mode=True, shape=shape, dtype=dtype), (AllocationQuery(shape, dtype),)
+        shape, dtype = (max(self.arena, 1),), np.dtype("<u1")
+        return replace(previous_state, jit_mode=True, shape=shape, dtype=dtype), (SlotScratch(shape, dtype),)
 
 
 class SeededBoxDecoder(_HandoverDecoder):
@@ -278,17 +332,24 @@ class SeededBoxDecoder(_HandoverDecoder):
         decode_or_next = _decode_or_next(self.memory_read, self.group, _train_box(scale, log_ratio))
 
         def decode(batch_indices, my_storage, metadata, storage_state):
-            destination = my_storage[0]
-            for dst_ix in range(len(batch_indices)):
+            arena = my_storage[0]
+            n = len(batch_indices)
+            used = n * HEADER
+            for dst_ix in range(n):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
-                row = destination[dst_ix]  # the box decoded straight into the view's row (a raw image: moved)
-                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, row[HEADER:],
-                                                    view_seed)
-                _compact_box(row[HEADER:], stride, i, j, h, w)
-                _put(row, 0, h)
-                _put(row, 1, w)
-                _put(row, 2, 1 if flipped(view_seed, flip_prob) else 0)
-            return destination[:len(batch_indices)]
+                while True:  # the box decoded straight into the arena (a raw image: copied, then its box moved)
+                    i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state,
+                                                        arena[0, used:], view_seed)
+                    if i >= 0:
+                        break
+                    arena = _grown(arena, used, used + stride)
+                _compact_box(arena[0, used:], stride, i, j, h, w)
+                head = arena[0, dst_ix * HEADER:]
+                _put(head, 0, h)
+                _put(head, 1, w)
+                _put(head, 2, 1 if flipped(view_seed, flip_prob) else 0)
+                used += int(h) * int(w) * 3
+            return arena
 
         return decode
 
@@ -298,48 +359,49 @@ class SeededJpegDecoder(_HandoverDecoder):
     as ``SeededCropFlipDecoder`` draws them, handed over with the file's bytes: words length, kind (0 JPEG, 1 raw
     pixels), height, width, top, left, box height, box width, flip, then the payload (``batch.Encoded``)."""
 
-    def __init__(self, flip_prob: float, scale=(0.08, 1.0), max_bytes: int = 0):
-        super().__init__(flip_prob, scale)
-        self.max_bytes = max_bytes
-
-    def payload(self) -> int:
-        return max(int(self.max_bytes), super().payload())
-
     def generate_code(self):
         scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
         box_of, mem_read, jpg = _train_box(scale, log_ratio), self.memory_read, IMAGE_MODES["jpg"]
 
         def decode(batch_indices, my_storage, metadata, storage_state):
-            destination = my_storage[0]
-            for dst_ix in range(len(batch_indices)):
+            arena = my_storage[0]
+            n = len(batch_indices)
+            used = n * HEADER
+            for dst_ix in range(n):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
                 field = metadata[batch_indices[dst_ix] & FILE_INDEX]
                 data = mem_read(field["data_ptr"], storage_state)
                 src_h, src_w = np.uint32(field["height"]), np.uint32(field["width"])
                 i, j, h, w = box_of(src_h, src_w, view_seed)
-                row = destination[dst_ix]
-                row[HEADER:HEADER + data.size] = data
-                _put(row, 0, data.size)
-                _put(row, 1, 0 if field["mode"] == jpg else 1)
-                _put(row, 2, src_h)
-                _put(row, 3, src_w)
-                _put(row, 4, i)
-                _put(row, 5, j)
-                _put(row, 6, h)
-                _put(row, 7, w)
-                _put(row, 8, 1 if flipped(view_seed, flip_prob) else 0)
-            return destination[:len(batch_indices)]
+                if used + data.size > arena.shape[1]:
+                    arena = _grown(arena, used, used + data.size)
+                arena[0, used:used + data.size] = data
+                head = arena[0, dst_ix * HEADER:]
+                _put(head, 0, data.size)
+                _put(head, 1, 0 if field["mode"] == jpg else 1)
+                _put(head, 2, src_h)
+                _put(head, 3, src_w)
+                _put(head, 4, i)
+                _put(head, 5, j)
+                _put(head, 6, h)
+                _put(head, 7, w)
+                _put(head, 8, 1 if flipped(view_seed, flip_prob) else 0)
+                used += data.size
+            return arena
 
         return decode
 
 
-def unpack_views(rows: torch.Tensor, kind: str, pin: bool = False):
-    """The ``batch.Boxes`` ("box") or ``batch.Encoded`` ("jpeg") of a batch of handed-over output rows (ffcv's
-    buffers, reused), their payloads copied once, into page-locked memory with ``pin`` (a copy to the GPU)."""
-    words = rows[:, :36].contiguous().view(torch.int32).long()
-    lengths = (words[:, 0] * words[:, 1] * 3 if kind == "box" else words[:, 0]).tolist()
-    payload = torch.empty(sum(lengths), dtype=torch.uint8, pin_memory=pin)
-    torch.cat([rows[b, HEADER:HEADER + n] for b, n in enumerate(lengths)], out=payload)
+def unpack_views(arena: torch.Tensor, count: int, kind: str, pin: bool = False):
+    """The ``batch.Boxes`` ("box") or ``batch.Encoded`` ("jpeg") of a batch of ``count`` views packed in ``arena``
+    (the decoder's (1, n) output: ffcv's slot, reused, or the batch's own), their payloads copied out in one copy,
+    into page-locked memory with ``pin`` (a copy to the GPU)."""
+    flat = arena.reshape(-1)
+    words = flat[:count * HEADER].view(count, HEADER)[:, :36].contiguous().view(torch.int32).long()
+    total = int((words[:, 0] * words[:, 1] * 3 if kind == "box" else words[:, 0]).sum())
+    start = count * HEADER
+    payload = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    payload.copy_(flat[start:start + total])
     if kind == "box":
         return Boxes(payload, words[:, :2].clone(), words[:, 2].bool())
     return Encoded(payload, words[:, :8].clone(), words[:, 8].bool())
