@@ -48,9 +48,11 @@ LONGEST_FIRST = ["test_users_commands.py", "test_slurm.py", "test_train_engine.p
 
 
 LAST = ["test_dryrun.py"]
-"""Files a worker runs after every other of its files: a dry run leaves DeepSpeed built for its simulated CUDA in
-the process (a ZeRO engine built later in the same worker asks the driver for a device), so it goes last, where
---dist loadfile gives its worker nothing after it."""
+"""Files a worker runs after every other of its files, where --dist loadfile gives its worker nothing after them. A
+dry run changes process-wide state for its duration (torch.cuda's answers, DeepSpeed's accelerator, the autograd
+engine's threads) and puts it back; the one it once left behind (DeepSpeed imported under the simulated GPUs kept
+their accelerator) is fixed and tested in a fresh process (test_dryrun.py); last, what it may still leave reaches
+no other file."""
 
 
 def pytest_collection_modifyitems(items):

@@ -144,15 +144,20 @@ def test_plan_dry_run_prints_and_answers_json(tmp_path, capsys):
 
 def test_a_process_that_ran_a_backward_on_the_cpu_first_can_dry_run(tmp_path):
     """The autograd engine sizes its per-device threads at a process's first backward: a dry run after a CPU backward
-    (a notebook, a test worker) found none for cuda. Run where the engine started before the driverless CUDA."""
+    (a notebook, a test worker) found none for cuda. Run where the engine started before the driverless CUDA.
+    DeepSpeed keeps the accelerator its import finds: imported first by the dry run, it must find the machine's
+    (here the CPU), not the simulated GPUs, or a ZeRO engine built after the dry run asks the driver for a device."""
     from tests.support import PY, run_group
 
     tiny(tmp_path)
     code = ("import torch, sys; x = torch.ones(2, requires_grad=True); (x * 2).sum().backward()\n"
             "from convit_scale.cli import main\n"
+            "assert 'deepspeed' not in sys.modules\n"
             f"code = main(['plan', '--recipe', {str(tmp_path / 'tiny.yaml')!r}, '--dry-run', '--nodes', '1', "
             "'--gpus-per-node', '2', '--steps', '3', '--json', 'parallel.strategy=ddp'])\n"
             "assert torch.autograd.is_multithreading_enabled()  # put back after the dry run\n"
+            "from deepspeed.accelerator import get_accelerator\n"
+            "assert get_accelerator().device_name() == 'cpu', get_accelerator()\n"
             "sys.exit(code)")
     proc = run_group([PY, "-c", code], 300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

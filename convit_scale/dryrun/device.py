@@ -265,6 +265,11 @@ def _has_deepspeed() -> bool:
 def simulated_gpus(world: int, gpus_per_node: int, census: Census):
     """This process as rank 0 of ``world`` simulated GPUs (``gpus_per_node`` per node) until the block ends."""
     native, device_before = load(), comm.device()
+    if "deepspeed" in sys.modules or _has_deepspeed():  # DeepSpeed keeps the accelerator its import finds: imported
+        # here, before torch.cuda answers for the simulated GPUs, it keeps the machine's after the dry run
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()
     patches, cuda = Patches(), cuda_answers(gpus_per_node, census)
     lift, swap = torch._C._only_lift_cpu_tensors(), torch.__future__.get_swap_module_params_on_conversion()
     try:
