@@ -75,21 +75,25 @@ def decode_rgb_array(data: bytes, height: int, width: int) -> np.ndarray | None:
 
 
 @numba.njit(nogil=True)
-def _box_to_front(dst, width, i, j, h, w):
-    """Move the ``h x w`` box at (``i``, ``j``) of the ``width``-wide RGB image in ``dst`` to its front, packed. Each
-    byte moves to an offset no greater than its own: a forward copy never overwrites what it has still to read."""
+def _box_to(dst, whole, width, i, j, h, w):
+    """Copy the ``h x w`` box at (``i``, ``j``) of the ``width``-wide RGB image in ``whole`` to the front of ``dst``,
+    packed. ``whole`` may be ``dst`` itself: each byte moves to an offset no greater than its own, so a forward copy
+    never overwrites what it has still to read."""
     for r in range(h):
         src, out = ((i + r) * width + j) * 3, r * w * 3
-        if src != out:
+        if src != out or dst.ctypes.data != whole.ctypes.data:
             for k in range(w * 3):
-                dst[out + k] = dst[src + k]
+                dst[out + k] = whole[src + k]
 
 
 @numba.njit(nogil=True)
-def _decode_whole_box(data, dst, height, width, i, j, h, w):
-    rc = decode_rgb(data, dst, height, width)
+def _decode_whole_box(data, dst, whole, height, width, i, j, h, w):
+    """The whole decode into ``whole``, then its box copied to the front of ``dst``. turbojpeg writes every row of
+    ``whole`` even where it then refuses the file (a truncated JPEG: a warning, -1): ``whole`` holds the whole image,
+    whatever ``dst`` holds."""
+    rc = decode_rgb(data, whole, height, width)
     if rc == 0:
-        _box_to_front(dst, width, i, j, h, w)
+        _box_to(dst, whole, width, i, j, h, w)
     return rc
 
 
@@ -97,25 +101,27 @@ if jpeg_roi.AVAILABLE:
     _roi = jpeg_roi.roi_decode_rgb
 
     @numba.njit(nogil=True)
-    def decode_rgb_box(data, dst, height, width, i, j, h, w):
+    def decode_rgb_box(data, dst, whole, height, width, i, j, h, w):
         """The ``h x w`` box at row ``i``, column ``j`` of the ``height x width`` JPEG ``data``, decoded into the first
-        ``h x w x 3`` bytes of ``dst`` (which holds the whole image), as ``decode_rgb`` then the crop give it; only
-        the box is decoded (``jpeg_roi.py``). Where the crop-region decoder refuses the data, the whole decode then
-        the crop (which refuses it too: -1)."""
+        ``h x w x 3`` bytes of ``dst``, as ``decode_rgb`` then the crop give it; only the box is decoded
+        (``jpeg_roi.py``). Where the crop-region decoder refuses the data, the whole decode into ``whole`` (``height
+        x width x 3`` bytes; may be ``dst`` where ``dst`` holds the whole image) then the crop (which refuses it
+        too: -1). Nothing is written to ``dst`` past the box."""
         if h == height and w == width:  # the whole image: turbojpeg's decode, nothing to skip
             return decode_rgb(data, dst, height, width)
         if _roi(data.ctypes.data, data.size, dst.ctypes.data, j, i, w, h) == 0:
             return 0
-        return _decode_whole_box(data, dst, height, width, i, j, h, w)
+        return _decode_whole_box(data, dst, whole, height, width, i, j, h, w)
 else:
     @numba.njit(nogil=True)
-    def decode_rgb_box(data, dst, height, width, i, j, h, w):
-        """``decode_rgb`` then the crop, packed at the front of ``dst`` (``jpeg_roi``'s library is not built)."""
-        return _decode_whole_box(data, dst, height, width, i, j, h, w)
+    def decode_rgb_box(data, dst, whole, height, width, i, j, h, w):
+        """``decode_rgb`` into ``whole`` then the crop, packed at the front of ``dst`` (``jpeg_roi``'s library is
+        not built)."""
+        return _decode_whole_box(data, dst, whole, height, width, i, j, h, w)
 
 
 def decode_rgb_box_array(data: bytes, height: int, width: int, i: int, j: int, h: int, w: int) -> np.ndarray | None:
     """``decode_rgb_box`` from Python, compiled: the (h, w, 3) box, or None where it returns -1."""
     out = np.empty(height * width * 3, np.uint8)
-    rc = decode_rgb_box(np.frombuffer(data, np.uint8), out, height, width, i, j, h, w)
+    rc = decode_rgb_box(np.frombuffer(data, np.uint8), out, out, height, width, i, j, h, w)
     return out[:h * w * 3].reshape(h, w, 3) if rc == 0 else None

@@ -5,6 +5,7 @@ finished on the device, the same crops within a level; a view the device cannot 
 
 import io
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -299,6 +300,65 @@ def test_a_replacement_that_does_not_fit_its_slot_is_packed_into_memory_of_its_o
     assert ARENA_MARGIN > 1.0 and handed.handover == "box"
     _same_as_the_pixel_mode(handed, _loader("ffcv", path, "pixels")[0], spec)
     assert len(seen) == 2 and max(seen) > handed._packer.arena and min(seen) == handed._packer.arena == handed._arena
+
+
+def test_a_truncated_photograph_decoded_whole_before_it_is_refused_never_writes_into_the_slot(originals_ffcv,
+                                                                                               tmp_path, monkeypatch):
+    """The large photograph cut short mid-scan: the crop-region decoder refuses it, the whole decode writes all its
+    900 rows (3.2 MB) before turbojpeg refuses it too. That decode goes to a row of the slot's own, not into the
+    packed arena sized for the batch's boxes (where it overran the slot: a corrupted heap, the process aborted); the
+    view is replaced as in the pixel mode, in every epoch."""
+    import shutil
+
+    from ffcv.reader import Reader
+
+    from convit_scale.data import ffcv
+
+    monkeypatch.setattr(ffcv, "ARENA_MARGIN", 1.0)
+    path = tmp_path / "ffcv"
+    shutil.copytree(originals_ffcv, path)
+    beton = next(path.glob("train*.beton"))
+    reader = Reader(str(beton))
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    large = int(np.flatnonzero(meta["height"] == 900)[0])
+    with open(beton, "r+b") as f:
+        f.seek(int(meta["data_ptr"][large]) + 20_000)  # inside the scan: an end-of-image marker, then nothing
+        f.write(b"\xff\xd9" + b"\0" * 64)
+    handed, spec = _loader("ffcv", path, "box")
+    pixels, _ = _loader("ffcv", path, "pixels")
+    assert handed.handover == "box" and handed._arena < 900 * 1200 * 3
+    for epoch in range(3):
+        _same_as_the_pixel_mode(handed, pixels, spec, epoch)
+        assert sum(len(b.bad) for b in handed.epoch(epoch)) == 1
+
+
+@pytest.mark.parametrize("handover", ["box", "pixels"])
+def test_a_canonical_group_of_which_no_view_decodes_is_refused_by_name(originals_ffcv, tmp_path, handover):
+    """Every JPEG of the first batch's first canonical group corrupt: the batch is refused, naming the group's
+    files, in the box mode as in the pixel mode."""
+    import shutil
+
+    from ffcv.reader import Reader
+
+    from convit_scale.data import DataError
+    from convit_scale.data.ffcv_decoders import FILE_INDEX
+
+    path = tmp_path / "ffcv"
+    shutil.copytree(originals_ffcv, path)
+    beton = next(path.glob("train*.beton"))
+    reader = Reader(str(beton))
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    loader, spec = _loader("ffcv", path, handover)
+    order = loader.views(0) & FILE_INDEX
+    with open(beton, "r+b") as f:
+        for k in set(order[:spec.group_size].tolist()):
+            f.seek(int(meta["data_ptr"][k]))
+            f.write(b"\0\0\0\0")
+    loader, spec = _loader("ffcv", path, handover)
+    names = str((order[:4]).tolist())[:-1]
+    with pytest.raises(DataError, match=rf"no decodable image in a group of {spec.group_size} \(file indices "
+                                        rf"{re.escape(names)}"):
+        next(iter(loader.epoch(0)))
 
 
 def test_views_no_decoder_reads_count_against_the_limit_on_every_rank_alike():

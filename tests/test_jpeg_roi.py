@@ -61,7 +61,7 @@ def test_box_is_the_whole_decode_cropped(variant, size):
     assert wrong == []
     scratch = np.zeros(height * width * 3, np.uint8)  # the compiled one, as the FFCV decoder calls it
     for i, j, h, w in boxes(height, width, rng, 5):
-        assert decode_rgb_box(np.frombuffer(data, np.uint8), scratch, height, width, i, j, h, w) == 0
+        assert decode_rgb_box(np.frombuffer(data, np.uint8), scratch, scratch, height, width, i, j, h, w) == 0
         assert np.array_equal(scratch[:h * w * 3].reshape(h, w, 3), full[i:i + h, j:j + w])
 
 
@@ -189,8 +189,12 @@ def test_without_the_library_the_whole_decode_then_the_crop_and_one_warning(monk
     data = encode(photo_like(75, 101), quality=90)
     full = decode_rgb_array(data, 75, 101)
     scratch = np.zeros(75 * 101 * 3, np.uint8)
-    assert _decode_whole_box(np.frombuffer(data, np.uint8), scratch, 75, 101, 9, 13, 50, 70) == 0
+    assert _decode_whole_box(np.frombuffer(data, np.uint8), scratch, scratch, 75, 101, 9, 13, 50, 70) == 0
     assert np.array_equal(scratch[:50 * 70 * 3].reshape(50, 70, 3), full[9:59, 13:83])
+    # into a box-sized destination (a packed hand-over): the whole image in its own buffer, nothing past the box
+    box, whole = np.zeros(50 * 70 * 3 + 64, np.uint8), np.zeros(75 * 101 * 3, np.uint8)
+    assert _decode_whole_box(np.frombuffer(data, np.uint8), box, whole, 75, 101, 9, 13, 50, 70) == 0
+    assert np.array_equal(box[:50 * 70 * 3].reshape(50, 70, 3), full[9:59, 13:83]) and not box[50 * 70 * 3:].any()
     monkeypatch.setattr(jpeg_roi, "AVAILABLE", False)
     monkeypatch.setattr(jpeg_roi, "LIBRARY", "not built (a test)")
     monkeypatch.setattr(jpeg_roi, "_warned", False)

@@ -54,7 +54,7 @@ def _whole(jpegs, scratch, mid, dst, resize: bool) -> None:
 
 def _box(jpegs, scratch, mid, dst, resize: bool) -> None:
     for data, height, width, (i, j, h, w) in jpegs:
-        if decode_rgb_box(data, scratch, height, width, i, j, h, w) != 0:
+        if decode_rgb_box(data, scratch, scratch, height, width, i, j, h, w) != 0:
             raise RuntimeError("bench data: the crop-region decoder refused a JPEG of the bench's tree")
         if resize:
             resized_crop(scratch, w, 0, 0, h, w, dst, FILTERS["bicubic"], mid)

@@ -66,25 +66,28 @@ def _train_box(scale, log_ratio):
 
 
 def _decode_or_next(mem_read, group: int, box_of=_whole_image):
-    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed) -> (i, j, h, w, stride)``:
-    the box ``box_of(height, width, view_seed)`` of the image of view ``dst_ix`` of a batch, in ``scratch`` as flat
-    RGB rows ``stride`` pixels wide, with its top left corner at row ``i``, column ``j``: a JPEG's box alone, decoded
-    as PIL decodes the image (``jpeg.decode_rgb_box``: i = j = 0, stride = w), or a raw image copied as stored (one
-    type of buffer for the resize to read, whatever the image's mode), else, if its JPEG is refused, the box of the
-    next view of its group (cyclically: ``group`` views, the
-    canonical group in training, so the replacement is the same at any world size; 0: the whole batch) that decodes,
-    with ``REPLACED`` set on the view's id in place (the epoch's batches are views of the order FfcvLoader keeps),
-    where FfcvLoader finds it to fix the label and list it. ffcv's own decoders ignore what turbojpeg returns: a
-    corrupt JPEG silently becomes whatever the buffer held. If no view of the group decodes, the box of the view's
-    own size over ``scratch``: FfcvLoader raises for that batch.
+    """Compiled ``(batch_indices, dst_ix, metadata, storage_state, scratch, whole, view_seed) -> (i, j, h, w,
+    stride)``: the box ``box_of(height, width, view_seed)`` of the image of view ``dst_ix`` of a batch, in
+    ``scratch`` as flat RGB rows ``stride`` pixels wide, with its top left corner at row ``i``, column ``j``: a
+    JPEG's box alone, decoded as PIL decodes the image (``jpeg.decode_rgb_box``: i = j = 0, stride = w), or a raw
+    image copied as stored (one type of buffer for the resize to read, whatever the image's mode), else, if its JPEG
+    is refused, the box of the next view of its group (cyclically: ``group`` views, the canonical group in
+    training, so the replacement is the same at any world size; 0: the whole batch) that decodes, with ``REPLACED``
+    set on the view's id in place (the epoch's batches are views of the order FfcvLoader keeps), where FfcvLoader
+    finds it to fix the label and list it. ffcv's own decoders ignore what turbojpeg returns: a corrupt JPEG
+    silently becomes whatever the buffer held. If no view of the group decodes, a box of the view's own size at the
+    start of ``scratch``: FfcvLoader raises for that batch.
 
-    The box is drawn from the size the .beton records (its header's), before decoding: a replacement's box is
-    drawn over the replacement's size, as when it was decoded whole first. Where what a candidate would write (its
-    box, or a raw image whole) does not fit ``scratch``, nothing is written and ``(-1, 0, 0, 0, bytes needed)`` is
-    returned: the caller gives it more room and asks again (a slot's packed hand-over, ``_HandoverDecoder``)."""
+    ``whole`` (the file's largest image's bytes; may be ``scratch`` where ``scratch`` holds that much) takes a JPEG
+    decoded whole (``jpeg.decode_rgb_box`` where the crop-region decoder refuses it: a truncated file, which
+    turbojpeg decodes to its last row before it refuses it): nothing is written to ``scratch`` past the box returned.
+    The box is drawn from the size the .beton records (its header's), before decoding: a replacement's box is drawn
+    over the replacement's size, as when it was decoded whole first. Where what a candidate would write (its box, or
+    a raw image whole) does not fit ``scratch``, nothing is written and ``(-1, 0, 0, 0, bytes needed)`` is returned:
+    the caller gives it more room and asks again (a slot's packed hand-over, ``_HandoverDecoder``)."""
     jpg = IMAGE_MODES["jpg"]
 
-    def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed):
+    def decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, whole, view_seed):
         n = group if group > 0 else len(batch_indices)
         base = dst_ix - dst_ix % n
         own = metadata[batch_indices[dst_ix] & FILE_INDEX]
@@ -99,12 +102,14 @@ def _decode_or_next(mem_read, group: int, box_of=_whole_image):
             if field["mode"] != jpg:
                 scratch[:image_data.size] = image_data
                 return i, j, h, w, int(src_w)
-            if decode_rgb_box(image_data, scratch, src_h, src_w, i, j, h, w) == 0:
+            if decode_rgb_box(image_data, scratch, whole, src_h, src_w, i, j, h, w) == 0:
                 return 0, 0, h, w, w
             if attempt == 0:
                 batch_indices[dst_ix] = batch_indices[dst_ix] | REPLACED
-        i, j, h, w = box_of(np.uint32(own["height"]), np.uint32(own["width"]), view_seed)
-        return i, j, h, w, int(own["width"])
+        _, _, h, w = box_of(np.uint32(own["height"]), np.uint32(own["width"]), view_seed)
+        if int(h) * int(w) * 3 > scratch.size:
+            return -1, 0, 0, 0, int(h) * int(w) * 3
+        return 0, 0, h, w, w
 
     return Compiler.compile(decode_or_next)
 
@@ -154,7 +159,8 @@ class SeededCropFlipDecoder(_TimmPixelsDecoder):
             destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
             for dst_ix in range(len(batch_indices)):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
-                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, view_seed)
+                i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch, scratch,
+                                                    view_seed)
                 resized_crop(scratch, stride, i, j, h, w, destination[dst_ix], kind, mid)
                 if flipped(view_seed, flip_prob):
                     _flip_in_place(destination[dst_ix])
@@ -182,7 +188,7 @@ class TimmEvalDecoder(_TimmPixelsDecoder):
             destination, scratch, mid = my_storage[0], my_storage[1][0], my_storage[2][0]
             for dst_ix in range(len(batch_indices)):
                 _, _, height, width, _ = decode_or_next(batch_indices, dst_ix, metadata, storage_state, scratch,
-                                                        np.uint64(0))
+                                                        scratch, np.uint64(0))
                 resized_center_crop(scratch, height, width, short_side, destination[dst_ix], kind, mid)
             return destination[:len(batch_indices)]
 
@@ -324,7 +330,14 @@ class _HandoverDecoder(RandomResizedCropRGBImageDecoder):
 class SeededBoxDecoder(_HandoverDecoder):
     """``SeededCropFlipDecoder`` without its resize (``data.resize_on: device``): the same box decoded (a view whose
     JPEG fails takes the next one of its group that decodes, ``_decode_or_next``) and the same flip drawn, handed
-    over at the box's own size: words h, w, flip, then the (h, w, 3) pixels (``batch.Boxes``)."""
+    over at the box's own size: words h, w, flip, then the (h, w, 3) pixels (``batch.Boxes``). A JPEG the
+    crop-region decoder refuses is decoded whole into a scratch row of the slot's own (sized for the file's largest
+    image, as the pixel decoders' row: address space, touched only by such a file), never into the packed arena."""
+
+    def declare_state_and_memory(self, previous_state):
+        state, memory = super().declare_state_and_memory(previous_state)
+        largest = np.uint64(self.metadata["height"].max()) * np.uint64(self.metadata["width"].max()) * np.uint64(3)
+        return state, (*memory, SlotScratch((largest,), np.dtype("<u1")))
 
     def generate_code(self):
         scale, log_ratio, flip_prob = np.array(self.scale), np.log(np.array(self.ratio)), self.flip_prob
@@ -332,14 +345,14 @@ class SeededBoxDecoder(_HandoverDecoder):
         decode_or_next = _decode_or_next(self.memory_read, self.group, _train_box(scale, log_ratio))
 
         def decode(batch_indices, my_storage, metadata, storage_state):
-            arena = my_storage[0]
+            arena, whole = my_storage[0], my_storage[1][0]
             n = len(batch_indices)
             used = n * HEADER
             for dst_ix in range(n):
                 view_seed = (batch_indices[dst_ix] & ~REPLACED) >> ID_BITS
                 while True:  # the box decoded straight into the arena (a raw image: copied, then its box moved)
                     i, j, h, w, stride = decode_or_next(batch_indices, dst_ix, metadata, storage_state,
-                                                        arena[0, used:], view_seed)
+                                                        arena[0, used:], whole, view_seed)
                     if i >= 0:
                         break
                     arena = _grown(arena, used, used + stride)
@@ -395,12 +408,13 @@ class SeededJpegDecoder(_HandoverDecoder):
 def unpack_views(arena: torch.Tensor, count: int, kind: str, pin: bool = False):
     """The ``batch.Boxes`` ("box") or ``batch.Encoded`` ("jpeg") of a batch of ``count`` views packed in ``arena``
     (the decoder's (1, n) output: ffcv's slot, reused, or the batch's own), their payloads copied out in one copy,
-    into page-locked memory with ``pin`` (a copy to the GPU)."""
+    boxes into page-locked memory with ``pin`` (a copy to the GPU; JPEGs stay pageable: the decoder reads them on
+    the host, ``Encoded.pin_memory``)."""
     flat = arena.reshape(-1)
     words = flat[:count * HEADER].view(count, HEADER)[:, :36].contiguous().view(torch.int32).long()
     total = int((words[:, 0] * words[:, 1] * 3 if kind == "box" else words[:, 0]).sum())
     start = count * HEADER
-    payload = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    payload = torch.empty(total, dtype=torch.uint8, pin_memory=pin and kind == "box")  # JPEGs: read on the host
     payload.copy_(flat[start:start + total])
     if kind == "box":
         return Boxes(payload, words[:, :2].clone(), words[:, 2].bool())
