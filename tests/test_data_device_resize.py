@@ -4,6 +4,7 @@ device decode's crops are timm's pixels, and files its decoder refuses are decod
 still in batched calls; an out-of-memory error is never taken for a refused file."""
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -146,12 +147,12 @@ def jpegs():
 
 def test_decode_crop_resize_gives_timms_pixels(jpegs):
     """torchvision's CPU decoder standing in for nvJPEG decodes as PIL does here (the same libjpeg-turbo IDCT:
-    0 levels apart), so the crops are timm's exactly; greyscale comes out in 3 channels."""
+    0 levels apart), so the crops are timm's exactly; greyscale comes out in 3 channels; CMYK is PIL's (counted)."""
     names = list(jpegs)
     boxes = torch.tensor([(5, 7, 60, 80), (0, 0, 90, 120), (30, 40, 12, 9), (1, 2, 88, 117), (10, 3, 40, 44)])
     flips = torch.tensor([True, False, True, False, True])
     res = decode_crop_resize([_tensor(jpegs[k]) for k in names], boxes, SIZE, flips, "cpu")
-    assert res.refused == 0 and res.failed == {} and res.images.shape == (5, 3, SIZE, SIZE)
+    assert res.refused == 1 and res.failed == {} and res.images.shape == (5, 3, SIZE, SIZE)
     for k, img, box, f in zip(names, res.images, boxes.tolist(), flips.tolist()):
         assert np.abs(_hwc(img).astype(int) - _timm_crop(jpegs[k], box, f)).max() == 0, k
 
@@ -220,13 +221,28 @@ def test_files_the_decoder_refuses_leave_the_others_in_batched_calls(jpegs, monk
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
                                    RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to "
-                                                "allocate 96.00 MiB")])
-def test_an_out_of_memory_error_in_the_decoder_propagates(jpegs, monkeypatch, error):
-    """The device's allocation failing is not a file the decoder refused: it is raised, never decoded by PIL and
-    counted (torchvision re-raises its own allocations' failure as a RuntimeError saying so)."""
-    def out_of_memory(data, device):
+                                                "allocate 96.00 MiB"),
+                                   RuntimeError("Failed to decode batch: 5"),  # nvJPEG's own allocation
+                                   RuntimeError("Failed to synchronize CUDA stream: 700"),
+                                   RuntimeError("cudaEventRecord failed: 700"),
+                                   RuntimeError("Failed to create decode params: 1")])
+def test_a_failure_of_the_device_in_the_decoder_propagates(jpegs, monkeypatch, error):
+    """The device failing (an allocation, nvJPEG's set-up, its stream) is not a file the decoder refused: it is
+    raised, never decoded by PIL image by image and counted (torchvision re-raises them as RuntimeErrors); a file's
+    failure (nvJPEG's BAD_JPEG, 3) is the file's."""
+    def failing(data, device):
         raise error
 
-    monkeypatch.setattr(device_resize, "_decode", out_of_memory)
-    with pytest.raises(type(error), match="out of memory"):
+    monkeypatch.setattr(device_resize, "_decode", failing)
+    with pytest.raises(type(error), match=re.escape(str(error))):
         decode_crop_resize([_tensor(jpegs["4:2:0"])] * 2, torch.tensor([(0, 0, 9, 9)] * 2), SIZE, None, "cpu")
+    assert not device_resize.device_fault(RuntimeError("Failed to decode batch: 3"))
+    assert not device_resize.device_fault(RuntimeError("Failed to parse jpeg stream: 4"))
+    assert not device_resize.device_fault(RuntimeError("Not a JPEG file: starts with 0x89 0x50"))
+
+
+def test_cmyk_jpegs_are_decoded_on_the_host_not_offered_to_the_device(jpegs):
+    """nvJPEG decodes 4-component (CMYK, YCCK) JPEGs only when asked, and torchvision does not ask: they go to PIL
+    (the reference's pixels), like a PNG under a .JPEG name, and never fail a batched call."""
+    assert not device_decodable(_tensor(jpegs["cmyk"]))
+    assert all(device_decodable(_tensor(jpegs[k])) for k in ("4:2:0", "progressive", "grey", "4:4:4"))

@@ -448,6 +448,32 @@ def test_device_resize_and_nvjpeg_decode_on_cuda():
                                   "share_differing": float((d > 0).mean()), "device": torch.cuda.get_device_name()})
 
 
+@pytest.mark.g3
+def test_nvjpeg_batches_with_files_it_cannot_or_must_not_decode():
+    """One batch as ImageNet has them: baseline, progressive and greyscale JPEGs on the device; a CMYK JPEG and a PNG
+    under a .JPEG name on the host (PIL, counted); a truncated JPEG listed as failed (replaced by the loader), never
+    its garbage decoded. The batch's good images are those it gives alone."""
+    import io
+
+    from PIL import Image
+    from test_jpeg import encode, photo_like
+
+    from convit_scale.data.device_resize import decode_crop_resize
+
+    rgb = photo_like(90, 120, seed=3)
+    png = io.BytesIO()
+    Image.fromarray(rgb).save(png, "PNG")
+    good = [encode(rgb, quality=90), encode(rgb, quality=80, progressive=True), encode(rgb, mode="L", quality=90)]
+    files = good + [encode(rgb, mode="CMYK", quality=90), png.getvalue(), good[0][:len(good[0]) // 2]]
+    data = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
+    box = torch.tensor([(5, 7, 60, 80)])
+    res = decode_crop_resize(data, box.repeat(len(data), 1), 224, None, "cuda")
+    assert res.refused == 2 and list(res.failed) == [5], (res.refused, res.failed)
+    for k in range(3):
+        alone = decode_crop_resize(data[k:k + 1], box, 224, None, "cuda").images[0]
+        assert torch.equal(res.images[k], alone), k
+
+
 # -- g4: learning, the gate, the device stage, FFCV -------------------------------------------------------------------
 
 

@@ -71,7 +71,9 @@ def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips:
     stream's pool, whose earlier work is finished first; the training stream then waits for the images."""
     if device.type != "cuda":
         return decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device, pixels)
-    stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    stream = _STREAMS[device]
     current = torch.cuda.current_stream(device)
     stream.synchronize()  # the previous batch's decode and resize: no block of this stream's pool is still in use
     with torch.cuda.stream(stream):

@@ -32,6 +32,7 @@ of 1 at the default 2 GiB.
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -134,6 +135,11 @@ def _resize_chunk(boxes: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, size:
     resize of the transposed boxes, transposed back."""
     if transposed:
         boxes, hs, ws, taps = boxes.transpose(2, 3), ws, hs, taps[::-1]
+    with torch.autocast(boxes.device.type, enabled=False):  # the sums reach 1.7e7: fp16 overflows, bf16 rounds
+        return _resize_passes(boxes, hs, ws, size, flips, taps, transposed)
+
+
+def _resize_passes(boxes, hs, ws, size, flips, taps, transposed):
     n, _, h, w = boxes.shape
     x = torch.empty((n, h, 3, w), dtype=torch.float32, device=boxes.device)
     x.copy_(boxes.permute(0, 2, 1, 3))  # rows (y, channel): pass 1 contracts columns, pass 2 rows
@@ -368,11 +374,22 @@ def _decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor
     return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
-def out_of_memory(e: BaseException) -> bool:
-    """Whether ``e`` is an allocation failure, never a file's fault: torch's ``OutOfMemoryError`` (its caching
-    allocator), or a RuntimeError that says so (torchvision re-raises a failure of its own allocations inside its
-    decode as "Error while decoding JPEG images: CUDA out of memory ...")."""
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+NVJPEG_DEVICE_FAILURE = re.compile(
+    r"out of memory|CUDA ERROR|cuda\w+ failed|Failed to (synchronize|initialize|create|attach|transfer)"
+    r"|Failed to (decode batch|decode jpeg stream|parse jpeg stream|get image info): (1|5|7)\b", re.IGNORECASE)
+"""torchvision's messages (its CUDA decoder, 0.19-0.29) for a failure of the device or of nvJPEG's own set-up, never a
+file's: CUDA errors, its streams, buffers and handles, and nvJPEG's statuses NOT_INITIALIZED (1), ALLOCATOR_FAILURE
+(5: nvJPEG allocates outside torch's cache, the likeliest allocation to fail when that cache holds the GPU) and
+ARCH_MISMATCH (7). A file's: BAD_JPEG (3), JPEG_NOT_SUPPORTED (4), INCOMPLETE_BITSTREAM (10) and the CPU decoder's
+libjpeg messages."""
+
+
+def device_fault(e: BaseException) -> bool:
+    """Whether ``e`` is the device's failure, never a file's: torch's ``OutOfMemoryError`` (its caching allocator), or
+    a RuntimeError of the decoder that says so (``NVJPEG_DEVICE_FAILURE``: torchvision re-raises a failure of its own
+    allocations as "Error while decoding JPEG images: CUDA out of memory ...", nvJPEG's as "Failed to decode batch:
+    5"). It propagates: decoding a batch on the host image by image, counted as refused files, would hide it."""
+    return isinstance(e, torch.OutOfMemoryError) or bool(NVJPEG_DEVICE_FAILURE.search(str(e)))
 
 
 FRAMES = (0xC0, 0xC1, 0xC2)
@@ -383,8 +400,10 @@ PIL on the host, as do 12-bit samples."""
 
 def device_decodable(data: torch.Tensor) -> bool:
     """Whether a payload goes to the device's decoder: a JPEG (SOI) whose frame header, read before the first scan,
-    is one of ``FRAMES`` with 8-bit samples. A PNG or GIF under a .JPEG name fails here, with no device attempt (a
-    refusal would fail the whole batched call). Reads the markers' lengths only: microseconds."""
+    is one of ``FRAMES`` with 8-bit samples of 1 or 3 components. A PNG or GIF under a .JPEG name fails here, with no
+    device attempt (a refusal would fail the whole batched call), as does a CMYK or YCCK JPEG (4 components: nvJPEG
+    refuses them unless asked, and torchvision does not ask; PIL converts them, the reference's pixels). Reads the
+    markers' lengths only: microseconds."""
     b = memoryview(data.numpy())
     n, i = len(b), 2
     if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
@@ -394,8 +413,8 @@ def device_decodable(data: torch.Tensor) -> bool:
         if marker == 0xFF or marker == 0x01 or 0xD0 <= marker <= 0xD7:  # fill byte, TEM, RSTn: no length
             i += 1 if marker == 0xFF else 2
             continue
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn (not DHT, JPG, DAC)
-            return marker in FRAMES and i + 4 < n and b[i + 4] == 8
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn (not DHT, JPG, DAC): precision,
+            return marker in FRAMES and i + 9 < n and b[i + 4] == 8 and b[i + 9] in (1, 3)  # height, width, components
         if marker in (0xD9, 0xDA):  # EOI or the first scan: no frame header before it
             return False
         i += 2 + (b[i + 2] << 8 | b[i + 3])
@@ -407,14 +426,16 @@ def _decode_accepted(encoded: list[torch.Tensor], idx: list[int], device: torch.
     """The payloads ``idx`` decoded by the device's decoder into ``out`` (index -> image), in one batched call. A
     batch it refuses (a file corrupt past its header: nvJPEG and libjpeg-turbo fail the whole call) is halved, and
     each half decoded batched again, until each refused file is alone (in ``refused``): a few calls more for one
-    bad file, never a call per image. An out-of-memory error is the device's, not a file's: it propagates."""
+    bad file, never a call per image. A failure of the device (``device_fault``) is not a file's: it propagates."""
     if not idx:
         return
     try:
         out.update(zip(idx, _decode([encoded[i] for i in idx], device)))
     except RuntimeError as e:
-        if out_of_memory(e):
+        if device_fault(e):
             raise
+        if device.type == "cuda":  # the decoder may have raised before its own stream finished: nothing of this
+            torch.cuda.synchronize(device)  # call still writes when its halves allocate; a broken context raises here
         if len(idx) == 1:
             refused.append(idx[0])
             return
