@@ -46,3 +46,18 @@ def test_pinning_keeps_everything():
     assert pinned.images.is_pinned() and pinned.labels.is_pinned() and pinned.seeds.is_pinned()
     assert _same(pinned, _batch(1))
     assert Batch(torch.zeros(1, 3, 2, 2), torch.zeros(1)).pin_memory().seeds is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_step_is_joined_straight_into_page_locked_memory():
+    from convit_scale.data.batch import Boxes, Encoded, cat_images
+
+    parts = [torch.arange(24, dtype=torch.uint8).view(2, 3, 2, 2), torch.zeros(1, 3, 2, 2, dtype=torch.uint8)]
+    joined = cat_images(parts, pin=True)
+    assert joined.is_pinned() and torch.equal(joined, torch.cat(parts))
+    boxes = Boxes.cat([Boxes(torch.arange(12, dtype=torch.uint8), torch.tensor([[2, 2]]), torch.tensor([True]))] * 2,
+                      pin=True)
+    assert boxes.pixels.is_pinned() and boxes.sizes.is_pinned() and boxes.flips.is_pinned()
+    encoded = Encoded.cat([Encoded(torch.arange(5, dtype=torch.uint8), torch.ones(1, 8, dtype=torch.long),
+                                   torch.tensor([False]))] * 2, pin=True)
+    assert not encoded.data.is_pinned() and encoded.flips.is_pinned()  # the payloads are read on the host

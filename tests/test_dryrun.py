@@ -107,6 +107,27 @@ def test_a_pageable_copy_is_counted_with_its_frame(tmp_path, monkeypatch):
     assert "convit_scale/data/device_images.py" in frames and summary["pageable copy"]["per_step"] >= 2
 
 
+def test_a_step_joined_into_page_locked_memory_copies_nothing_pageable():
+    """A step's images joined from its parts straight into page-locked memory (``cat_images(..., pin=True)``: one
+    copy, not a cat then a pin) reach the device without a pageable copy; joined into pageable memory they are
+    counted."""
+    from convit_scale.data.batch import Boxes, cat_images
+    from convit_scale.dryrun.census import Census
+    from convit_scale.dryrun.device import simulated_gpus
+
+    parts = [torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.ones(1, 3, 4, 4, dtype=torch.uint8)]
+    boxes = [Boxes(torch.zeros(12, dtype=torch.uint8), torch.tensor([[2, 2]]), torch.tensor([True]))] * 2
+    counted = []
+    for pin in (True, False):
+        census = Census()
+        with simulated_gpus(2, 2, census):
+            images, joined = cat_images(parts, pin), cat_images(boxes, pin)
+            assert torch.equal(images, torch.cat(parts)) and joined.sizes.tolist() == [[2, 2]] * 2
+            images.to("cuda", non_blocking=True), joined.pixels.to("cuda", non_blocking=True)
+        counted.append(sum(e.kind == "pageable copy" for e in census.events))
+    assert counted == [0, 2]
+
+
 def test_an_extra_host_read_per_step_is_counted_with_its_frame(tmp_path, monkeypatch):
     from convit_scale.train import step
 

@@ -82,9 +82,9 @@ class Boxes:
         return Boxes(pixels, self.sizes[index], self.flips[index])
 
     @staticmethod
-    def cat(parts: list["Boxes"]) -> "Boxes":
-        return Boxes(torch.cat([p.pixels for p in parts]), torch.cat([p.sizes for p in parts]),
-                     torch.cat([p.flips for p in parts]))
+    def cat(parts: list["Boxes"], pin: bool = False) -> "Boxes":
+        return Boxes(cat_tensors([p.pixels for p in parts], pin), cat_tensors([p.sizes for p in parts], pin),
+                     cat_tensors([p.flips for p in parts], pin))
 
     def pin_memory(self) -> "Boxes":
         return Boxes(self.pixels.pin_memory(), self.sizes.pin_memory(), self.flips.pin_memory())
@@ -140,9 +140,9 @@ class Encoded:
         return Encoded(data, self.meta[index], self.flips[index])
 
     @staticmethod
-    def cat(parts: list["Encoded"]) -> "Encoded":
+    def cat(parts: list["Encoded"], pin: bool = False) -> "Encoded":
         return Encoded(torch.cat([p.data for p in parts]), torch.cat([p.meta for p in parts]),
-                       torch.cat([p.flips for p in parts]))
+                       cat_tensors([p.flips for p in parts], pin))
 
     def pin_memory(self) -> "Encoded":
         """The flips page-locked (they move to the device); the payloads stay: the decoder reads them on the host."""
@@ -164,6 +164,19 @@ def stack_views(views: list):
     return Boxes.of(views) if len(first) == 2 else Encoded.of(views)
 
 
-def cat_images(parts: list):
-    """``torch.cat`` for every kind of batch images (tensors, ``Boxes``, ``Encoded``)."""
-    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts)
+def cat_tensors(parts: list[torch.Tensor], pin: bool = False) -> torch.Tensor:
+    """``torch.cat``; with ``pin``, straight into page-locked memory: one copy of a step's images on the training
+    thread, not a cat and then a pin (two)."""
+    if not pin:
+        return torch.cat(parts)
+    first = parts[0]
+    if not all(p.is_contiguous() for p in parts):  # a channels-last view: cat keeps its layout, then the pin
+        return torch.cat(parts).pin_memory()
+    out = torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    return torch.cat(parts, out=out)
+
+
+def cat_images(parts: list, pin: bool = False):
+    """``torch.cat`` for every kind of batch images (tensors, ``Boxes``, ``Encoded``); with ``pin``, as
+    ``Batch.pin_memory`` leaves them, in one copy (``cat_tensors``)."""
+    return cat_tensors(parts, pin) if isinstance(parts[0], torch.Tensor) else type(parts[0]).cat(parts, pin)

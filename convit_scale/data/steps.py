@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
-from .batch import Batch, cat_images
+from .batch import Batch, cat_images, cat_tensors
 from .faults import DataError
 from .geometry import LoaderSpec
 
 
 def join(batches: list[Batch], pin: bool) -> Batch:
-    """One batch of ``batches`` in order (no copy for one)."""
+    """One batch of ``batches`` in order (no copy for one; with ``pin``, joined straight into page-locked memory)."""
     if len(batches) == 1:
         return batches[0]
-    joined = Batch(cat_images([b.images for b in batches]), torch.cat([b.labels for b in batches]),
-                   None if batches[0].seeds is None else torch.cat([b.seeds for b in batches]),
-                   [r for b in batches for r in b.bad], [i for b in batches for i in (b.ids or ())])
-    return joined.pin_memory() if pin else joined
+    return Batch(cat_images([b.images for b in batches], pin), cat_tensors([b.labels for b in batches], pin),
+                 None if batches[0].seeds is None else cat_tensors([b.seeds for b in batches], pin),
+                 [r for b in batches for r in b.bad], [i for b in batches for i in (b.ids or ())])
 
 
 class StepBatches:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..config import DataConfig
 from ..manifest import Manifest
-from .batch import Batch, cat_images, stack_views
+from .batch import Batch, cat_images, cat_tensors, stack_views
 from .faults import DECODE_ERRORS, CropDecodeError, DataError, limit_bad_samples, next_good, pil_rgb, reason_of
 from .geometry import EpochGeometry, LoaderSpec, eval_positions, slot_positions
 from .order import contiguous_range, epoch_permutation, view_seeds, views_per_rank
@@ -313,9 +313,9 @@ class WdsLoader:
         try:
             for step in range(first_step, self.geometry.steps):
                 parts = [next(items) for _ in range(max(1, workers))]  # one per worker, round robin: in order
-                images, labels = cat_images([p.images for p in parts]), torch.cat([p.labels for p in parts])
-                if s.pin_memory:  # the copy to the GPU overlaps compute; micro-batches are slices of these
-                    images, labels = images.pin_memory(), labels.pin_memory()
+                # pinned (the copy to the GPU overlaps compute) as they are joined: micro-batches are slices of these
+                images = cat_images([p.images for p in parts], s.pin_memory)
+                labels = cat_tensors([p.labels for p in parts], s.pin_memory)
                 seeds = torch.cat([p.seeds for p in parts])
                 ids, bad = [i for p in parts for i in p.ids], [r for p in parts for r in p.bad]
                 for j in range(skip if step == first_step else 0, per_step):

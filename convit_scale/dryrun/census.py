@@ -140,6 +140,10 @@ def _is_cuda(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+PINNED_FACTORIES = (aten.empty, aten.empty_strided, aten.empty_like, aten.zeros, aten.zeros_like, aten.full)
+"""Host tensors made page-locked at birth (``pin_memory=True``), as ``Tensor.pin_memory()`` makes them."""
+
+
 class Route(TorchDispatchMode):
     """The dispatch mode of the simulated GPUs (see the module's docstring); ``census`` records what it sees."""
 
@@ -160,11 +164,9 @@ class Route(TorchDispatchMode):
         if func is aten.is_pinned.default:
             return self._is_pinned(args[0])
         if func is aten._pin_memory.default:
-            out = args[0].clone()
-            ptr = out.untyped_storage().data_ptr()
-            self.pinned.add(ptr)
-            weakref.finalize(out.untyped_storage(), self.pinned.discard, ptr)
-            return out
+            return self._pinned(args[0].clone())
+        if kwargs.get("pin_memory") and func.overloadpacket in PINNED_FACTORIES:  # page-locked host memory, made
+            return self._pinned(func(*args, **{**kwargs, "pin_memory": False}))  # so (``torch.empty(pin_memory=)``)
         if func not in ELEMENT_ACCESS:
             self.census.other_work()
         flat, _ = tree_flatten((args, kwargs))
@@ -173,6 +175,12 @@ class Route(TorchDispatchMode):
         if not self._goes_to_device(flat, kwargs):
             return func(*args, **kwargs)
         return self._on_device(func, flat, args, kwargs)
+
+    def _pinned(self, out: torch.Tensor) -> torch.Tensor:
+        ptr = out.untyped_storage().data_ptr()
+        self.pinned.add(ptr)
+        weakref.finalize(out.untyped_storage(), self.pinned.discard, ptr)
+        return out
 
     def _is_pinned(self, t) -> bool:
         return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
