@@ -225,7 +225,8 @@ def test_files_the_decoder_refuses_leave_the_others_in_batched_calls(jpegs, monk
                                    RuntimeError("Failed to decode batch: 5"),  # nvJPEG's own allocation
                                    RuntimeError("Failed to synchronize CUDA stream: 700"),
                                    RuntimeError("cudaEventRecord failed: 700"),
-                                   RuntimeError("Failed to create decode params: 1")])
+                                   RuntimeError("Failed to create decode params: 1"),
+                                   RuntimeError("Failed to transfer jpeg to device: 5")])
 def test_a_failure_of_the_device_in_the_decoder_propagates(jpegs, monkeypatch, error):
     """The device failing (an allocation, nvJPEG's set-up, its stream) is not a file the decoder refused: it is
     raised, never decoded by PIL image by image and counted (torchvision re-raises them as RuntimeErrors); a file's
@@ -238,6 +239,7 @@ def test_a_failure_of_the_device_in_the_decoder_propagates(jpegs, monkeypatch, e
         decode_crop_resize([_tensor(jpegs["4:2:0"])] * 2, torch.tensor([(0, 0, 9, 9)] * 2), SIZE, None, "cpu")
     assert not device_resize.device_fault(RuntimeError("Failed to decode batch: 3"))
     assert not device_resize.device_fault(RuntimeError("Failed to parse jpeg stream: 4"))
+    assert not device_resize.device_fault(RuntimeError("Failed to transfer jpeg to device: 3"))
     assert not device_resize.device_fault(RuntimeError("Not a JPEG file: starts with 0x89 0x50"))
 
 
@@ -246,3 +248,14 @@ def test_cmyk_jpegs_are_decoded_on_the_host_not_offered_to_the_device(jpegs):
     (the reference's pixels), like a PNG under a .JPEG name, and never fail a batched call."""
     assert not device_decodable(_tensor(jpegs["cmyk"]))
     assert all(device_decodable(_tensor(jpegs[k])) for k in ("4:2:0", "progressive", "grey", "4:4:4"))
+
+
+def test_a_header_claiming_no_pixels_or_a_bomb_is_not_offered_to_the_device(jpegs):
+    """A frame header of 0 rows, or of more pixels than PIL accepts (an allocation the device would fail, which
+    ends the run): PIL's, on the host. A header cut short is not read past its end."""
+    data = bytearray(jpegs["4:2:0"])
+    sof = data.index(b"\xff\xc0")
+    for height, width in ((0, 120), (65_535, 65_535)):
+        data[sof + 5:sof + 9] = bytes([height >> 8, height & 255, width >> 8, width & 255])
+        assert not device_decodable(_tensor(bytes(data)))
+    assert not any(device_decodable(_tensor(jpegs["4:2:0"][:sof + k])) for k in range(2, 10))

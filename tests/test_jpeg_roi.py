@@ -195,6 +195,9 @@ def test_without_the_library_the_whole_decode_then_the_crop_and_one_warning(monk
     box, whole = np.zeros(50 * 70 * 3 + 64, np.uint8), np.zeros(75 * 101 * 3, np.uint8)
     assert _decode_whole_box(np.frombuffer(data, np.uint8), box, whole, 75, 101, 9, 13, 50, 70) == 0
     assert np.array_equal(box[:50 * 70 * 3].reshape(50, 70, 3), full[9:59, 13:83]) and not box[50 * 70 * 3:].any()
+    cut = np.frombuffer(data[:len(data) // 2], np.uint8)  # decoded to its last row by turbojpeg, then refused
+    box[:], whole[:] = 0, 0
+    assert decode_rgb_box(cut, box, whole, 75, 101, 9, 13, 50, 70) == -1 and not box[50 * 70 * 3:].any()
     monkeypatch.setattr(jpeg_roi, "AVAILABLE", False)
     monkeypatch.setattr(jpeg_roi, "LIBRARY", "not built (a test)")
     monkeypatch.setattr(jpeg_roi, "_warned", False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch.utils.data import default_collate
@@ -172,7 +174,8 @@ def cat_tensors(parts: list[torch.Tensor], pin: bool = False) -> torch.Tensor:
     first = parts[0]
     if not all(p.is_contiguous() for p in parts):  # a channels-last view: cat keeps its layout, then the pin
         return torch.cat(parts).pin_memory()
-    out = torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))  # as torch.cat promotes
+    out = torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]), dtype=dtype, pin_memory=True)
     return torch.cat(parts, out=out)
 
 

@@ -375,8 +375,9 @@ def _decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor
 
 
 NVJPEG_DEVICE_FAILURE = re.compile(
-    r"out of memory|CUDA ERROR|cuda\w+ failed|Failed to (synchronize|initialize|create|attach|transfer)"
-    r"|Failed to (decode batch|decode jpeg stream|parse jpeg stream|get image info): (1|5|7)\b", re.IGNORECASE)
+    r"out of memory|CUDA ERROR|cuda\w+ failed|Failed to (synchronize|initialize|create|attach)"
+    r"|Failed to (decode batch|decode jpeg stream|parse jpeg stream|get image info|transfer jpeg to device): "
+    r"(1|5|7)\b", re.IGNORECASE)
 """torchvision's messages (its CUDA decoder, 0.19-0.29) for a failure of the device or of nvJPEG's own set-up, never a
 file's: CUDA errors, its streams, buffers and handles, and nvJPEG's statuses NOT_INITIALIZED (1), ALLOCATOR_FAILURE
 (5: nvJPEG allocates outside torch's cache, the likeliest allocation to fail when that cache holds the GPU) and
@@ -398,12 +399,18 @@ hardware path takes baseline, its hybrid path the others). Lossless, hierarchica
 PIL on the host, as do 12-bit samples."""
 
 
+DEVICE_MAX_PIXELS = 89_478_485
+"""The largest image (height x width, as its header says) offered to the device's decoder: PIL's decompression-bomb
+limit (``Image.MAX_IMAGE_PIXELS``). A header that claims more goes to PIL, which refuses it or decodes it: an
+allocation the device cannot make would be its failure, which ends the run, not the file's."""
+
+
 def device_decodable(data: torch.Tensor) -> bool:
     """Whether a payload goes to the device's decoder: a JPEG (SOI) whose frame header, read before the first scan,
     is one of ``FRAMES`` with 8-bit samples of 1 or 3 components. A PNG or GIF under a .JPEG name fails here, with no
     device attempt (a refusal would fail the whole batched call), as does a CMYK or YCCK JPEG (4 components: nvJPEG
-    refuses them unless asked, and torchvision does not ask; PIL converts them, the reference's pixels). Reads the
-    markers' lengths only: microseconds."""
+    refuses them unless asked, and torchvision does not ask; PIL converts them, the reference's pixels), or one whose
+    header claims no pixels or more than ``DEVICE_MAX_PIXELS``. Reads the markers' lengths only: microseconds."""
     b = memoryview(data.numpy())
     n, i = len(b), 2
     if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
@@ -414,7 +421,9 @@ def device_decodable(data: torch.Tensor) -> bool:
             i += 1 if marker == 0xFF else 2
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn (not DHT, JPG, DAC): precision,
-            return marker in FRAMES and i + 9 < n and b[i + 4] == 8 and b[i + 9] in (1, 3)  # height, width, components
+            pixels = (b[i + 5] << 8 | b[i + 6]) * (b[i + 7] << 8 | b[i + 8]) if i + 9 < n else 0  # height x width
+            return (0 < pixels <= DEVICE_MAX_PIXELS and marker in FRAMES  # (0: the header is cut short)
+                    and b[i + 4] == 8 and b[i + 9] in (1, 3))  # 8-bit samples, 1 or 3 components
         if marker in (0xD9, 0xDA):  # EOI or the first scan: no frame header before it
             return False
         i += 2 + (b[i + 2] << 8 | b[i + 3])

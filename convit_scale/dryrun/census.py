@@ -140,10 +140,6 @@ def _is_cuda(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-PINNED_FACTORIES = (aten.empty, aten.empty_strided, aten.empty_like, aten.zeros, aten.zeros_like, aten.full)
-"""Host tensors made page-locked at birth (``pin_memory=True``), as ``Tensor.pin_memory()`` makes them."""
-
-
 class Route(TorchDispatchMode):
     """The dispatch mode of the simulated GPUs (see the module's docstring); ``census`` records what it sees."""
 
@@ -165,8 +161,9 @@ class Route(TorchDispatchMode):
             return self._is_pinned(args[0])
         if func is aten._pin_memory.default:
             return self._pinned(args[0].clone())
-        if kwargs.get("pin_memory") and func.overloadpacket in PINNED_FACTORIES:  # page-locked host memory, made
-            return self._pinned(func(*args, **{**kwargs, "pin_memory": False}))  # so (``torch.empty(pin_memory=)``)
+        if kwargs.get("pin_memory") and func is not aten._to_copy.default and not _is_cuda(kwargs.get("device")) \
+                and not any(isinstance(a, FakeTensor) for a in tree_flatten(args)[0]):  # host memory page-locked at
+            return self._pinned(func(*args, **{**kwargs, "pin_memory": False}))  # birth (torch.empty(pin_memory=))
         if func not in ELEMENT_ACCESS:
             self.census.other_work()
         flat, _ = tree_flatten((args, kwargs))
