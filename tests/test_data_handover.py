@@ -268,31 +268,46 @@ def test_a_beton_of_originals_hands_over_in_slots_sized_for_its_batches_not_its_
     assert seen == [first] * 2 + [handed._packer.arena] * 2
 
 
-def test_a_replacement_that_does_not_fit_its_slot_is_packed_into_memory_of_its_own(originals_ffcv, tmp_path,
-                                                                                  monkeypatch):
-    """A corrupt JPEG just before the large photograph in its canonical group takes the photograph's box (drawn
-    with its own seed), which the slot, sized for the batch's own boxes, cannot hold: the batch is packed into memory
-    of its own, with the pixel mode's views and its listed replacement; the other batches use the slot."""
+def _damaged_copy(originals_ffcv, tmp_path, damage):
+    """A copy of the .beton of originals with ``damage(meta)``'s {image index: (offset, bytes)} written over those
+    images' stored bytes (``meta``: the image field's metadata); the copy's folder."""
     import shutil
 
     from ffcv.reader import Reader
 
-    from convit_scale.data import ffcv
-    from convit_scale.data.ffcv_decoders import ARENA_MARGIN, FILE_INDEX
-
-    monkeypatch.setattr(ffcv, "ARENA_MARGIN", 1.0)
     path = tmp_path / "ffcv"
     shutil.copytree(originals_ffcv, path)
     beton = next(path.glob("train*.beton"))
     reader = Reader(str(beton))
     meta = reader.metadata[f"f{reader.field_names.index('image')}"]
-    large = int(np.flatnonzero(meta["height"] == 900)[0])
-    order = _loader("ffcv", path, "box")[0].views(0) & FILE_INDEX
-    p = int(np.flatnonzero(order == large)[0])
-    corrupt = int(order[p - 1 if p % 8 else p + 7])  # the view before the photograph's, cyclically in its group
     with open(beton, "r+b") as f:
-        f.seek(int(meta["data_ptr"][corrupt]))
-        f.write(b"\0\0\0\0")
+        for k, (offset, data) in damage(meta).items():
+            f.seek(int(meta["data_ptr"][k]) + offset)
+            f.write(data)
+    return path
+
+
+def _large(meta) -> int:
+    """The index of the 1200 x 900 photograph."""
+    return int(np.flatnonzero(meta["height"] == 900)[0])
+
+
+def test_a_replacement_that_does_not_fit_its_slot_is_packed_into_memory_of_its_own(originals_ffcv, tmp_path,
+                                                                                  monkeypatch):
+    """A corrupt JPEG just before the large photograph in its canonical group takes the photograph's box (drawn
+    with its own seed), which the slot, sized for the batch's own boxes, cannot hold: the batch is packed into memory
+    of its own, with the pixel mode's views and its listed replacement; the other batches use the slot."""
+    from convit_scale.data import ffcv
+    from convit_scale.data.ffcv_decoders import ARENA_MARGIN, FILE_INDEX
+
+    monkeypatch.setattr(ffcv, "ARENA_MARGIN", 1.0)
+    order = _loader("ffcv", originals_ffcv, "box")[0].views(0) & FILE_INDEX  # the copy's views are the original's
+
+    def before_the_photograph(meta):  # the view before the photograph's, cyclically in its group
+        p = int(np.flatnonzero(order == _large(meta))[0])
+        return {int(order[p - 1 if p % 8 else p + 7]): (0, b"\0\0\0\0")}
+
+    path = _damaged_copy(originals_ffcv, tmp_path, before_the_photograph)
     seen = []
     unpack = ffcv.unpack_views
     monkeypatch.setattr(ffcv, "unpack_views", lambda arena, *a: seen.append(arena.shape[1]) or unpack(arena, *a))
@@ -308,22 +323,11 @@ def test_a_truncated_photograph_decoded_whole_before_it_is_refused_never_writes_
     900 rows (3.2 MB) before turbojpeg refuses it too. That decode goes to a row of the slot's own, not into the
     packed arena sized for the batch's boxes (where it overran the slot: a corrupted heap, the process aborted); the
     view is replaced as in the pixel mode, in every epoch."""
-    import shutil
-
-    from ffcv.reader import Reader
-
     from convit_scale.data import ffcv
 
     monkeypatch.setattr(ffcv, "ARENA_MARGIN", 1.0)
-    path = tmp_path / "ffcv"
-    shutil.copytree(originals_ffcv, path)
-    beton = next(path.glob("train*.beton"))
-    reader = Reader(str(beton))
-    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
-    large = int(np.flatnonzero(meta["height"] == 900)[0])
-    with open(beton, "r+b") as f:
-        f.seek(int(meta["data_ptr"][large]) + 20_000)  # inside the scan: an end-of-image marker, then nothing
-        f.write(b"\xff\xd9" + b"\0" * 64)
+    path = _damaged_copy(originals_ffcv, tmp_path,  # inside the scan: an end-of-image marker, then nothing
+                         lambda meta: {_large(meta): (20_000, b"\xff\xd9" + b"\0" * 64)})
     handed, spec = _loader("ffcv", path, "box")
     pixels, _ = _loader("ffcv", path, "pixels")
     assert handed.handover == "box" and handed._arena < 900 * 1200 * 3
@@ -336,24 +340,13 @@ def test_a_truncated_photograph_decoded_whole_before_it_is_refused_never_writes_
 def test_a_canonical_group_of_which_no_view_decodes_is_refused_by_name(originals_ffcv, tmp_path, handover):
     """Every JPEG of the first batch's first canonical group corrupt: the batch is refused, naming the group's
     files, in the box mode as in the pixel mode."""
-    import shutil
-
-    from ffcv.reader import Reader
-
     from convit_scale.data import DataError
     from convit_scale.data.ffcv_decoders import FILE_INDEX
 
-    path = tmp_path / "ffcv"
-    shutil.copytree(originals_ffcv, path)
-    beton = next(path.glob("train*.beton"))
-    reader = Reader(str(beton))
-    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
-    loader, spec = _loader("ffcv", path, handover)
+    loader, spec = _loader("ffcv", originals_ffcv, handover)
     order = loader.views(0) & FILE_INDEX
-    with open(beton, "r+b") as f:
-        for k in set(order[:spec.group_size].tolist()):
-            f.seek(int(meta["data_ptr"][k]))
-            f.write(b"\0\0\0\0")
+    path = _damaged_copy(originals_ffcv, tmp_path,
+                         lambda meta: {k: (0, b"\0\0\0\0") for k in set(order[:spec.group_size].tolist())})
     loader, spec = _loader("ffcv", path, handover)
     names = str((order[:4]).tolist())[:-1]
     with pytest.raises(DataError, match=rf"no decodable image in a group of {spec.group_size} \(file indices "
