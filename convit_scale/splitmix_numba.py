@@ -5,6 +5,15 @@ RandomResizedCrop and flip from its seed with these functions, which give exactl
 counter)`` (``tests/test_splitmix.py``). The counters are ``DECODE_COUNTER + k``: far from the per-sample draws of
 the device augmentation (counters from 0) and of drop-path (``models.convit.DROP_PATH_COUNTER``), which key on the
 same seeds.
+
+``seeded_crop`` and ``flipped`` (a view's RandomResizedCrop box and flip, ``data/sample.py``'s contract) live here
+with the generator because every function here is compiled with ``cache=True``: every training process calls them
+at start-up (``sample.compile_draws``), and compiling them costs about 2 CPU seconds per process, per rank of a
+32-rank job, per requeue; numba's cache turns that into a load. Numba invalidates a cached function only when its
+own file changes, so a cached function calls and reads nothing defined in another file of the package
+(``tests/test_structure.py``). The cache lies in ``__pycache__`` beside this file, or in the user's cache folder
+where the package's folder is read-only (numba's rule; ``NUMBA_CACHE_DIR`` overrides both); its entries are keyed
+by numba's version and the CPU, so a cluster with mixed nodes keeps one entry per kind of CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def mix64(z):
     """splitmix64's finaliser on a uint64 (``splitmix.mix64``)."""
     z = (z ^ (z >> np.uint64(30))) * _MUL1
@@ -30,15 +39,45 @@ def mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def draw(seed, counter):
     """The ``counter``-th splitmix64 output of ``seed``'s key (``splitmix.draw(splitmix.keys_of(seed), counter)``)."""
     key = mix64(np.uint64(seed) + _GOLDEN)
     return mix64(key + (np.uint64(counter) + np.uint64(1)) * _GOLDEN)
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def uniform(seed, k):
     """The k-th decoder draw of a view in [0, 1): the top 53 bits of its ``DECODE_COUNTER + k``-th output, as the
     device augmentation turns its draws into floats."""
     return (draw(seed, np.uint64(DECODE_COUNTER) + np.uint64(k)) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@numba.njit(nogil=True, cache=True)
+def seeded_crop(height, width, scale, log_ratio, view_seed):
+    """RandomResizedCrop's parameters (i, j, h, w), as torchvision and timm draw them (10 attempts of an area in
+    ``scale`` and a log-uniform ratio, else the centre crop of the clamped ratio), each draw a splitmix draw of the
+    view's seed."""
+    area = height * width
+    for attempt in range(10):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * uniform(view_seed, 4 * attempt))
+        aspect_ratio = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * uniform(view_seed, 4 * attempt + 1))
+        w = int(round(np.sqrt(target_area * aspect_ratio)))
+        h = int(round(np.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = int(uniform(view_seed, 4 * attempt + 2) * (height - h + 1))
+            j = int(uniform(view_seed, 4 * attempt + 3) * (width - w + 1))
+            return i, j, h, w
+    in_ratio = float(width) / float(height)  # fallback: the centre crop of the clamped ratio
+    w, h = int(width), int(height)
+    if in_ratio < np.exp(log_ratio[0]):
+        h = int(round(w / np.exp(log_ratio[0])))
+    elif in_ratio > np.exp(log_ratio[1]):
+        w = int(round(h * np.exp(log_ratio[1])))
+    return (int(height) - h) // 2, (int(width) - w) // 2, h, w
+
+
+@numba.njit(nogil=True, cache=True)
+def flipped(view_seed, p):
+    """Whether the view is flipped horizontally (probability ``p``)."""
+    return uniform(view_seed, FLIP_DRAW) < p

@@ -30,3 +30,24 @@ def test_the_crops_draws_end_before_the_flips():
     from convit_scale.splitmix_numba import FLIP_DRAW
 
     assert FLIP_DRAW >= 4 * 10
+
+
+def test_the_crop_and_flip_draws_load_from_numbas_cache_in_a_new_process(tmp_path):
+    """Every training process compiles the crop and flip draws at start-up (``sample.compile_draws``): the first
+    process on a machine compiles and caches them, every later one loads them (no compilation, no miss)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import json; from convit_scale.data.sample import compile_draws, flipped, seeded_crop; compile_draws(); "
+             "print(json.dumps([sum(f.stats.cache_hits.values()) for f in (seeded_crop, flipped)] "
+             "+ [sum(f.stats.cache_misses.values()) for f in (seeded_crop, flipped)]))")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # a cold cache, whatever the machine's holds
+
+    def run() -> list:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run() == [0, 0, 1, 1]  # compiled, then written to the cache
+    assert run() == [1, 1, 0, 0]  # loaded

@@ -364,3 +364,60 @@ def test_only_the_runfolder_module_numbers_the_exit_statuses():
                 spelt.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not spelt, ("exit statuses spelt outside convit_scale/runfolder.py (use its EXIT_*):\n"
                        + "\n".join(sorted(spelt)))
+
+
+def _top_level_definitions(path: Path) -> set[str]:
+    """Names a file defines itself at its top level (functions, classes, assignments; not imports)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def _global_names(code) -> set[str]:
+    """The names a function's code (nested code objects included) looks up, globals among them."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _global_names(const)
+    return names
+
+
+def test_numba_cached_functions_use_nothing_from_other_files():
+    """Numba checks a cached function (``cache=True``) against its own file only: one that calls a function or reads
+    a constant of another file keeps the stale compiled code when that file changes, and the loaders would draw
+    crops or resize with the old code. So a cached function uses modules and what its own file defines, and the
+    same holds for every function of its file it calls."""
+    import importlib
+    import inspect
+    import types
+
+    cached_files = {m: p for m, p in _files().items() if "cache=True" in p.read_text()}
+    assert {"convit_scale.splitmix_numba", "convit_scale.data.resample"} <= set(cached_files)
+    wrong, seen = [], 0
+    for name, path in cached_files.items():
+        module = importlib.import_module(name)
+        own = _top_level_definitions(path)
+        todo = [f for f in vars(module).values()  # numba's dispatchers of cache=True hold a FunctionCache
+                if type(getattr(f, "_cache", None)).__name__ == "FunctionCache" and f.__module__ == name]
+        seen += len(todo)
+        done = set()
+        while todo:
+            fn = todo.pop()
+            py_func = getattr(fn, "py_func", fn)
+            if py_func in done:
+                continue
+            done.add(py_func)
+            for ref in _global_names(py_func.__code__) & set(py_func.__globals__):
+                value = py_func.__globals__[ref]
+                if isinstance(value, types.ModuleType):
+                    continue
+                if ref not in own:
+                    wrong.append(f"{name}.{py_func.__name__} uses {ref}, which its file imports")
+                elif inspect.isfunction(getattr(value, "py_func", value)):
+                    todo.append(value)
+    assert seen >= 10 and not wrong, wrong

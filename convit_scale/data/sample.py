@@ -5,9 +5,9 @@
   continues (``start_batch``): ``geometry.py`` (``EpochGeometry``, ``LoaderSpec``) over ``order.py``'s permutation.
 - A view's seed, a function of (run seed, epoch, canonical position) only: ``view_seeds`` (``order.py``).
 - Its RandomResizedCrop box and its horizontal flip, drawn from the seed alone (splitmix64, ``splitmix_numba.py``):
-  ``crop_box`` and ``flipped``, compiled, so the FFCV decoders call them inside their numba stages and the other
-  loaders from Python: a view gets the same box and flip in every format and mode, and the same box whatever
-  consumed the host generators before it.
+  ``crop_box`` and ``flipped``, compiled (and cached on disk), so the FFCV decoders call them inside their numba
+  stages and the other loaders from Python: a view gets the same box and flip in every format and mode, and the same
+  box whatever consumed the host generators before it.
 - What its augmentation after the crop draws from: the host generators seeded by the view's seed (``seed_host``):
   timm's transform in ImageFolder and WebDataset; in FFCV, ``private_aug.py``'s private generators that draw
   alike; on the device, counter-based draws of the seed (``device_augment.py``).
@@ -19,44 +19,13 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from ..splitmix_numba import FLIP_DRAW, uniform
+from ..splitmix_numba import flipped, seeded_crop
 from .faults import next_good
 from .order import view_seeds
 
 __all__ = ["compile_draws", "crop_box", "flipped", "next_good", "seeded_crop", "view_seeds"]
-
-
-@numba.njit(nogil=True)
-def seeded_crop(height, width, scale, log_ratio, view_seed):
-    """RandomResizedCrop's parameters (i, j, h, w), as torchvision and timm draw them (10 attempts of an area in
-    ``scale`` and a log-uniform ratio, else the centre crop of the clamped ratio), each draw a splitmix draw of the
-    view's seed."""
-    area = height * width
-    for attempt in range(10):
-        target_area = area * (scale[0] + (scale[1] - scale[0]) * uniform(view_seed, 4 * attempt))
-        aspect_ratio = np.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * uniform(view_seed, 4 * attempt + 1))
-        w = int(round(np.sqrt(target_area * aspect_ratio)))
-        h = int(round(np.sqrt(target_area / aspect_ratio)))
-        if 0 < w <= width and 0 < h <= height:
-            i = int(uniform(view_seed, 4 * attempt + 2) * (height - h + 1))
-            j = int(uniform(view_seed, 4 * attempt + 3) * (width - w + 1))
-            return i, j, h, w
-    in_ratio = float(width) / float(height)  # fallback: the centre crop of the clamped ratio
-    w, h = int(width), int(height)
-    if in_ratio < np.exp(log_ratio[0]):
-        h = int(round(w / np.exp(log_ratio[0])))
-    elif in_ratio > np.exp(log_ratio[1]):
-        w = int(round(h * np.exp(log_ratio[1])))
-    return (int(height) - h) // 2, (int(width) - w) // 2, h, w
-
-
-@numba.njit(nogil=True)
-def flipped(view_seed, p):
-    """Whether the view is flipped horizontally (probability ``p``)."""
-    return uniform(view_seed, FLIP_DRAW) < p
 
 
 def crop_box(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple:
@@ -68,6 +37,7 @@ def crop_box(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4
 def compile_draws() -> None:
     """Compile ``seeded_crop`` and ``flipped`` now: when the train transform is built, before the run measures its
     base memory and before DataLoader workers are forked (they inherit the compiled code rather than each compiling
-    it on its first view)."""
+    it on its first view). The compiled code is cached on disk (``splitmix_numba.py``): after the first process on
+    a machine, this loads it."""
     crop_box(2, 2, 0)
     flipped(np.uint64(0), 0.5)
