@@ -40,7 +40,9 @@ def test_the_crop_and_flip_draws_load_from_numbas_cache_in_a_new_process(tmp_pat
     import subprocess
     import sys
 
-    probe = ("import json; from convit_scale.data.sample import compile_draws, flipped, seeded_crop; compile_draws(); "
+    probe = ("import json; import numpy as np; from convit_scale.splitmix_numba import flipped, seeded_crop; "
+             "seeded_crop(np.uint32(2), np.uint32(2), np.array([0.08, 1.0]), np.array([-0.3, 0.3]), np.uint64(0)); "
+             "flipped(np.uint64(0), 0.5); "  # the types sample.crop_box and sample.compile_draws pass
              "print(json.dumps([sum(f.stats.cache_hits.values()) for f in (seeded_crop, flipped)] "
              "+ [sum(f.stats.cache_misses.values()) for f in (seeded_crop, flipped)]))")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # a cold cache, whatever the machine's holds
