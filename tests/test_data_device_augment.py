@@ -1,5 +1,6 @@
 """Device augmentation against timm's PIL RandAugment and RandomErasing: op by op, in distribution, reproducibly."""
 
+import contextlib
 import math
 import random
 
@@ -11,7 +12,7 @@ from timm.data.auto_augment import LEVEL_TO_ARG, NAME_TO_OP, rand_augment_transf
 from timm.data.random_erasing import RandomErasing
 from torch.overrides import TorchFunctionMode
 
-from convit_scale.augment_policy import GEOMETRIC_OPS, RAND_INCREASING_OPS, RAND_OPS, RandAugmentPolicy
+from convit_scale.augment_policy import ALL_OPS, GEOMETRIC_OPS, RAND_INCREASING_OPS, RAND_OPS, RandAugmentPolicy
 from convit_scale.data.device_augment import (
     DeviceAugmentConfig,
     apply_op,
@@ -301,3 +302,66 @@ def test_a_batch_reaches_the_device_in_one_asynchronous_transfer_per_dtype():
         normalize(x)
     assert out.device.type == "meta" and out.shape == (16, 3, 32, 32)
     assert seen.made == [] and 1 <= len(seen.copies) <= 2 and all(seen.copies)
+
+
+OP_ARGS = [("SolarizeAdd", [0, 30, 60, 110]), ("Solarize", [16, 100, 200, 256]), ("Posterize", [1, 3, 5, 8]),
+           ("Rotate", [-30, -5, 10, 30]), ("Translate", [-0.45, -0.1, 0.1, 0.45]), ("Shear", [-0.3, -0.1, 0.1, 0.3]),
+           ("", [0.1, 0.7, 1.3, 1.9])]
+"""Four arguments of each op (by the start of its name: the first that fits), one per photo; factors for the rest."""
+
+
+def test_the_augmentation_divides_as_a_gpu_does(photos, monkeypatch):
+    """CUDA divides by a number as a multiplication by its reciprocal (tests/cuda_arithmetic.py): every op of the
+    policy, the erasing and the normalisation, run with the GPU's division (the plan drawn on the host with the
+    CPU's, as in a GPU run), divide by no number whose reciprocal is inexact, so they give the CPU's pixels, bit for
+    bit."""
+    from cuda_arithmetic import CudaScalarDivision
+
+    from convit_scale.data import device_augment
+
+    gpu = CudaScalarDivision()
+    on_the_host = device_augment.sample_plan
+
+    def sample_plan(*args, **kwargs):
+        with gpu.host():
+            return on_the_host(*args, **kwargs)
+
+    monkeypatch.setattr(device_augment, "sample_plan", sample_plan)
+
+    x = _batch(photos * 8)  # 32 images: every op of the policy drawn for some
+    seeds = torch.arange(32, dtype=torch.int64) * 7_919 + 11
+    cfg = DeviceAugmentConfig(rand_augment="rand-m9-mstd0.5-inc1", reprob=0.25)
+    def every_op():
+        args = {name: next(a for start, a in OP_ARGS if name.startswith(start)) for name in ALL_OPS}
+        return {name: apply_op(name, _batch(photos).float(), torch.tensor(args[name], dtype=torch.float64))
+                for name in ALL_OPS}
+
+    want = augment_batch(x, seeds, cfg), every_op()
+    with gpu:
+        got = augment_batch(x, seeds, cfg), every_op()
+    assert gpu.inexact == []
+    assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], want[1][n]) for n in ALL_OPS)
+
+
+def test_auto_contrast_and_contrast_are_pils_for_every_range_and_tie():
+    """AutoContrast's table is PIL's for narrow ranges of levels too (255 / (hi - lo) divided, not 255 times the
+    reciprocal), and Contrast's grey level is PIL's int(mean + 0.5) where the mean is a tie, with the GPU's division
+    as with the CPU's."""
+    from cuda_arithmetic import CudaScalarDivision
+    from PIL import ImageEnhance, ImageOps
+
+    ranges = [(lo, hi) for lo in range(0, 256, 5) for hi in range(lo, 256, 3)]
+    photos = [np.linspace(lo, hi, 3 * 64).round().astype(np.uint8).reshape(8, 8, 3) for lo, hi in ranges]
+    x = torch.from_numpy(np.stack(photos)).permute(0, 3, 1, 2).float()
+    ref = np.stack([np.asarray(ImageOps.autocontrast(Image.fromarray(p))) for p in photos])
+    zero = torch.zeros(len(photos), dtype=torch.float64)
+    assert np.array_equal(apply_op("AutoContrast", x, zero).permute(0, 2, 3, 1).numpy(), ref)
+    half = np.full((224, 224, 3), 1, np.uint8)  # luma mean 1.5 (sum 75264 over 224 x 224), and 7.5
+    half[:112] = 2
+    ties = [half, half + 6]
+    x = torch.from_numpy(np.stack(ties)).permute(0, 3, 1, 2).float()
+    factor = torch.full((2,), 0.5, dtype=torch.float64)
+    ref = np.stack([np.asarray(ImageEnhance.Contrast(Image.fromarray(p)).enhance(0.5)) for p in ties])
+    for mode in (contextlib.nullcontext(), CudaScalarDivision()):
+        with mode:
+            assert np.array_equal(apply_op("Contrast", x, factor).permute(0, 2, 3, 1).numpy(), ref)

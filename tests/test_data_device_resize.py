@@ -259,3 +259,27 @@ def test_a_header_claiming_no_pixels_or_a_bomb_is_not_offered_to_the_device(jpeg
         data[sof + 5:sof + 9] = bytes([height >> 8, height & 255, width >> 8, width & 255])
         assert not device_decodable(_tensor(bytes(data)))
     assert not any(device_decodable(_tensor(jpegs["4:2:0"][:sof + k])) for k in range(2, 10))
+
+
+def test_the_resize_divides_as_a_gpu_does(images, jpegs):
+    """CUDA divides by a number as a multiplication by its reciprocal (tests/cuda_arithmetic.py), which moved the
+    first tap or a weight of 17 box sizes in 3,000 resized to 224: with the GPU's division the resize and the device
+    decode divide by no number whose reciprocal is inexact, and give PIL's pixels and the CPU's taps (box sides up
+    to 1,000 resized to 224: 8 of them moved)."""
+    from cuda_arithmetic import CudaScalarDivision
+
+    flips = torch.tensor([i % 3 == 1 for i in range(len(images))])
+    boxes, box_flips = torch.tensor([(5, 7, 60, 80), (0, 0, 90, 120), (30, 40, 12, 9)]), torch.tensor([1, 0, 1]) > 0
+    encoded = [_tensor(jpegs[k]) for k in ("4:2:0", "progressive", "grey")]
+    sizes = torch.arange(1, 1001)
+    taps = device_resize._taps(sizes, 224, device_resize._taps_of(1000, 224), None)
+    decoded = decode_crop_resize(encoded, boxes, SIZE, box_flips, "cpu").images
+    with CudaScalarDivision() as gpu:
+        out = resize_packed(*_packed(images), SIZE, flips)
+        on_gpu = decode_crop_resize(encoded, boxes, SIZE, box_flips, "cpu").images
+        gpu_taps = device_resize._taps(sizes, 224, device_resize._taps_of(1000, 224), None)
+    assert gpu.inexact == []
+    for img, o, f in zip(images, out, flips.tolist()):
+        assert np.array_equal(_hwc(o), _pil(img, f)), (img.shape[:2], f)
+    assert torch.equal(on_gpu, decoded)
+    assert all(torch.equal(a, b) for a, b in zip(taps, gpu_taps))

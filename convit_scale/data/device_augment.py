@@ -253,7 +253,8 @@ def _auto_contrast(img, _arg):
     values = img.long().view(n, c, h * w)
     lo = values.amin(2, keepdim=True).double()
     hi = values.amax(2, keepdim=True).double()
-    scale = 255.0 / (hi - lo).clamp(min=1)
+    span = (hi - lo).clamp(min=1)
+    scale = torch.full_like(span, 255.0) / span  # PIL's 255.0 / (hi - lo): `255.0 / span` is 255 x (1 / span)
     offset = -lo * scale
     levels = torch.arange(256, dtype=torch.float64, device=img.device)
     lut = torch.trunc(levels * scale + offset).clamp(0, 255)  # (n, c, 256)
@@ -300,9 +301,11 @@ def _color(img, factor):
 
 
 def _contrast(img, factor):
-    # the degenerate image is the mean of the L image, rounded: int(mean + 0.5)
-    mean = _luma(img).sum(dim=(1, 2, 3), dtype=torch.float64) / (img.shape[2] * img.shape[3])
-    degenerate = torch.floor(mean + 0.5).float().view(-1, 1, 1, 1).expand_as(img)
+    # the degenerate image is the mean of the L image, rounded: int(sum / n + 0.5), in integers (the same on every
+    # device: CUDA divides by a number as a multiplication by its reciprocal, which rounds some ties down)
+    n = img.shape[2] * img.shape[3]
+    total = _luma(img).sum(dim=(1, 2, 3), dtype=torch.int64)
+    degenerate = torch.div(2 * total + n, 2 * n, rounding_mode="floor").float().view(-1, 1, 1, 1).expand_as(img)
     return _blend(degenerate, img, factor)
 
 
@@ -317,7 +320,9 @@ def _sharpness(img, factor):
         for dx in (0, 1, 2):
             s = s + img[:, :, dy:dy + img.shape[2] - 2, dx:dx + img.shape[3] - 2]
     smooth = img.clone()
-    smooth[:, :, 1:-1, 1:-1] = torch.floor((2 * s + 13) / 26)  # round half up of s / 13 (never a tie)
+    # round half up of s / 13 (never a tie), in integers (CUDA divides a float by a number as a multiplication by
+    # its reciprocal)
+    smooth[:, :, 1:-1, 1:-1] = torch.div((2 * s + 13).int(), 26, rounding_mode="floor")
     return _blend(smooth, img, factor)
 
 
@@ -443,7 +448,8 @@ def normalize(x: torch.Tensor, cfg: DeviceAugmentConfig | None = None) -> torch.
     cfg = cfg or DeviceAugmentConfig()
     mean = constant(tuple(cfg.mean), torch.float32, x.device).view(1, 3, 1, 1)
     std = constant(tuple(cfg.std), torch.float32, x.device).view(1, 3, 1, 1)
-    return x.float().div(255).sub(mean).div(std)
+    # ToTensor's x / 255 as a division by a tensor: CUDA divides by a number as a multiplication by its reciprocal
+    return x.float().div(constant((255.0,), torch.float32, x.device)).sub(mean).div(std)
 
 
 def _rand_augment_jobs(plan: AugmentPlan, cfg: DeviceAugmentConfig, h: int, w: int) -> list[tuple]:

@@ -85,7 +85,9 @@ def _taps(in_sizes: torch.Tensor, size: int, taps: int, reverse: torch.Tensor | 
     ``taps`` inputs from there (n, S, taps) int64, zero past the image's edge. ``reverse``: (n,) bool, output order
     reversed (a flip after the resize)."""
     dev = in_sizes.device
-    scale = (in_sizes.double() / size).view(-1, 1)  # (n, 1)
+    # a division by a tensor on the device: CUDA divides by a number as a multiplication by its reciprocal, whose
+    # last bit moves some boxes' first tap or weights against PIL's in_size / out_size
+    scale = (in_sizes.double() / in_sizes.new_full((), size, dtype=torch.float64)).view(-1, 1)  # (n, 1)
     filterscale = scale.clamp(min=1.0)
     support = 2.0 * filterscale
     out = torch.arange(size, dtype=torch.float64, device=dev).view(1, -1)
