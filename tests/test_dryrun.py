@@ -195,3 +195,31 @@ def test_a_torch_that_cannot_simulate_is_one_line(tmp_path, capsys, monkeypatch)
                  "--gpus-per-node", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot simulate GPUs here" in err[0] and "NoSuchThing" in err[0]
+
+
+def test_the_device_decode_on_cuda_decodes_on_its_stream_and_resizes_on_the_training_stream(monkeypatch):
+    """``decode_on: device`` on (simulated) CUDA: the views' crops made on the decode's own stream, then resized on
+    the training stream, which waits for them and holds their blocks (``record_stream``) until it has read them;
+    one host wait per batch (the decode stream's previous batch), no pageable copy. Loader-decoded views stand in
+    for JPEGs (nvJPEG needs a GPU: ``make gpu-test``)."""
+    import numpy as np
+
+    from convit_scale.data import device_images
+    from convit_scale.data.batch import Encoded
+    from convit_scale.dryrun.census import Census
+    from convit_scale.dryrun.device import simulated_gpus
+
+    recorded, record_stream = [], torch.Tensor.record_stream
+    views = Encoded.of([(np.full((20, 16, 3), k, np.uint8), Encoded.RAW, (20, 16), (k, 0, 20 - k, 16), k % 2 == 0)
+                        for k in range(3)])
+    census = Census()
+    with simulated_gpus(2, 2, census):
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, s: (recorded.append((t.device.type, s)), record_stream(t, s))[1])
+        images, failed = device_images.decode_views(views.pin_memory(), torch.device("cuda", 0), 8)
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+        assert images.device.type == "cuda" and tuple(images.shape) == (3, 3, 8, 8) and failed == {}
+        training = torch.cuda.current_stream(0)
+    assert len(recorded) == 3 and all(kind == "cuda" and s == training for kind, s in recorded)
+    assert [e.kind for e in census.events].count("pageable copy") == 0
+    assert [e.kind for e in census.events].count("host wait") == 1, [(e.kind, e.what) for e in census.events]

@@ -472,6 +472,12 @@ def test_nvjpeg_batches_with_files_it_cannot_or_must_not_decode():
     for k in range(3):
         alone = decode_crop_resize(data[k:k + 1], box, 224, None, "cuda").images[0]
         assert torch.equal(res.images[k], alone), k
+    # the training path: decoded on its own stream, resized on the training stream, the same pixels and counts
+    from convit_scale.data.device_images import _decode_on_its_stream
+
+    flips = torch.zeros(len(data), dtype=torch.bool)
+    streamed = _decode_on_its_stream(data, box.repeat(len(data), 1), 224, flips, torch.device("cuda"), {})
+    assert torch.equal(streamed.images, res.images) and (streamed.refused, streamed.failed) == (2, res.failed)
 
 
 # -- g4: learning, the gate, the device stage, FFCV -------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Batch, Boxes, Encoded
-from .device_resize import decode_crop_resize, resize_packed
+from .device_resize import Decoded, decode_crop_resize, decode_crops, resize_list, resize_packed
 from .faults import next_good
 
 
@@ -64,23 +64,28 @@ _STREAMS: dict = {}
 
 
 def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips: torch.Tensor, device: torch.device,
-                          pixels: dict):
-    """``decode_crop_resize`` on a CUDA stream of its own. torchvision's nvJPEG decode allocates its outputs on the
-    current stream but writes them on a private one that waits for no other: from the training stream's pool it could
-    be handed memory that queued training kernels still read. On its own stream, its allocations come from that
-    stream's pool, whose earlier work is finished first; the training stream then waits for the images."""
+                          pixels: dict) -> Decoded:
+    """``decode_crop_resize`` with the decode on a CUDA stream of its own and the resize on the training stream.
+    torchvision's nvJPEG decode allocates its outputs on the current stream but writes them on a private one that
+    waits for no other: from the training stream's pool it could be handed memory that queued training kernels still
+    read. On its own stream, its allocations come from that stream's pool, whose earlier work is finished first; the
+    training stream then waits for the crops and resizes them, its working memory (up to ``CHUNK_BYTES`` a chunk)
+    from the training stream's pool, where the step's activations, freed by then, can reuse it: on the decode's
+    stream it would stay reserved beside them."""
+    flips = flips.to(device, non_blocking=True)
     if device.type != "cuda":
-        return decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device, pixels)
+        return decode_crop_resize(payloads, boxes, size, flips, device, pixels)
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     stream = _STREAMS[device]
     current = torch.cuda.current_stream(device)
-    stream.synchronize()  # the previous batch's decode and resize: no block of this stream's pool is still in use
+    stream.synchronize()  # the previous batch's decode: no block of this stream's pool is still written
     with torch.cuda.stream(stream):
-        done = decode_crop_resize(payloads, boxes, size, flips.to(device, non_blocking=True), device, pixels)
+        crops, refused, failed = decode_crops(payloads, boxes, device, pixels)
     current.wait_stream(stream)
-    done.images.record_stream(current)
-    return done
+    for crop in crops:  # their blocks go back to the decode's pool only once the training stream has read them
+        crop.record_stream(current)
+    return Decoded(resize_list(crops, size, flips, layout="CHW"), refused, failed)
 
 
 def _replace(images: torch.Tensor, labels: torch.Tensor, failed: dict, group: int):

@@ -504,18 +504,29 @@ def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: i
                        flips: torch.Tensor | None, device: torch.device | str,
                        pixels: dict[int, np.ndarray] | None = None) -> Decoded:
     """Decode a batch of JPEGs on ``device``, crop each to its box and resize the boxes to ``size`` (PIL's bicubic,
-    ``resize_list``), flipped where ``flips``.
+    ``resize_list``), flipped where ``flips``: ``decode_crops``, then one ``resize_list`` of every box.
 
     encoded: 1-D uint8 CPU tensors, a JPEG's bytes each. boxes: int64 (B, 4) rows (top, left, height, width) in
     the full image's pixels. pixels: {index: (H, W, 3) uint8 host image} of views the loader decoded (not JPEGs;
-    their ``encoded`` entries are not read). The JPEGs that pass ``device_decodable`` are decoded by one
-    ``torchvision.io.decode_jpeg(list, device=device)`` call (``_decode_accepted``: halved where the decoder fails
-    the call); the others, and those it refused, by PIL on the host (``Decoded.refused``), their boxes moved with
-    the loader-decoded ones in one copy; bytes PIL cannot read either are listed in ``Decoded.failed``. Then one
-    ``resize_list`` of every box. An out-of-memory error propagates."""
-    device, pixels = torch.device(device), pixels or {}
+    their ``encoded`` entries are not read). An out-of-memory error propagates."""
+    device = torch.device(device)
     _check_size(size)
     _check_flips(flips, len(encoded))
+    crops, refused, failed = decode_crops(encoded, boxes, device, pixels)
+    if not crops:
+        return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), 0)
+    return Decoded(resize_list(crops, size, flips, layout="CHW"), refused, failed)  # a failed view: zeros
+
+
+def decode_crops(encoded: list[torch.Tensor], boxes: torch.Tensor, device: torch.device,
+                 pixels: dict[int, np.ndarray] | None = None) -> tuple[list[torch.Tensor], int, dict[int, str]]:
+    """The boxes of a batch of JPEGs on ``device``, uint8 (3, h, w) views (``decode_crop_resize``'s arguments),
+    the count PIL decoded on the host (``Decoded.refused``) and the failed ones (``Decoded.failed``). The JPEGs that
+    pass ``device_decodable`` are decoded by one ``torchvision.io.decode_jpeg(list, device=device)`` call
+    (``_decode_accepted``: halved where the decoder fails the call); the others, and those it refused, by PIL on
+    the host, their boxes moved with the loader-decoded ones in one copy; bytes PIL cannot read either stand in as
+    one black pixel."""
+    pixels = pixels or {}
     if not isinstance(boxes, torch.Tensor) or tuple(boxes.shape) != (len(encoded), 4):
         raise ValueError(f"boxes must be an int tensor of shape ({len(encoded)}, 4), rows (top, left, height, "
                          f"width); got {tuple(getattr(boxes, 'shape', ()))}")
@@ -523,7 +534,7 @@ def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: i
         if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.is_cuda:
             raise ValueError(f"encoded[{i}] must be a 1-D uint8 CPU tensor of a JPEG's bytes")
     if not encoded:
-        return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), 0)
+        return [], 0, {}
     box_list = [tuple(b) for b in boxes.detach().cpu().tolist()]
     accepted = [i for i in range(len(encoded)) if i not in pixels and device_decodable(encoded[i])]
     on_device, refused = {}, []
@@ -536,5 +547,4 @@ def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: i
         _check_box(i, box_list[i], img.shape[1], img.shape[2])
         top, left, h, w = box_list[i]
         crops[i] = img[:, top:top + h, left:left + w]
-    images = resize_list([crops[i] for i in range(len(encoded))], size, flips, layout="CHW")
-    return Decoded(images, decoded, failed)  # a failed view's black pixel resizes to zeros
+    return [crops[i] for i in range(len(encoded))], decoded, failed
