@@ -77,6 +77,21 @@ def test_every_strategy_steps_clean_on_simulated_gpus(tmp_path, layout, world):
     assert own == sorted(DEEPSPEED_WAITS.get(strategy, [])), own
 
 
+def test_the_device_decode_and_micro_batches_step_clean_on_simulated_gpus(tmp_path):
+    """``decode_on: device`` (the Ti recipes) with two micro-batches a step (``data.micro_batch_size``, which plan
+    advises where a batch does not fit; MemTracker stopped the dry run at the second forward): the views handed over
+    undecoded run the device's decode path (loaders' images standing in for nvJPEG's), no pageable copy, and one host
+    wait per micro-batch beside the step's read: the decode stream's previous batch, which on a GPU has finished by
+    then (the step's read waited for it)."""
+    result, summary = dry(tmp_path, 1, 2, "parallel.strategy=fsdp2", "data.format=wds", "data.decode_on=device",
+                          "data.micro_batch_size=4")
+    assert result["mismatch"] is None and result["peak_bytes"] > 0
+    assert summary["pageable copy"]["per_step"] == 0 and summary["cpu collective"]["per_step"] == 0
+    waits = sorted((r["what"], r["frame"].split(":")[0], r["count"]) for r in summary["host wait"]["each"])
+    assert waits == [(STEP_READ[1] + " of a device value (.item(), bool(), .tolist(), float())", STEP_READ[0], 1.0),
+                     ("torch.cuda.Stream.synchronize", "convit_scale/data/device_images.py", 2.0)], waits
+
+
 def test_a_cpu_tensor_added_to_a_device_activation_is_a_device_mismatch(tmp_path, monkeypatch):
     from convit_scale.models import convit
 

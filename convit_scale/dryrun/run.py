@@ -68,12 +68,11 @@ def _train_and_evaluate(cfg: Config, steps: int, census: Census) -> int:
             try:
                 if isinstance(run.strategy.wrapped, torch.nn.parallel.DistributedDataParallel):
                     run.strategy.wrapped.register_comm_hook(None, ddp_comm_hook)
+                run.strategy.forward = _tracked_forward(run.strategy.forward, tracker)
                 for micro_batches in steps_of_epoch(run, state):
                     census.phase = f"step {state.step + 1}"
-                    tracker.reset_mod_stats()  # per-module figures per step (the peak is kept)
                     train_step(run, state, micro_batches)
                 census.phase = "eval"
-                tracker.reset_mod_stats()
                 run.strategy.train(False)
                 evaluation.evaluate(run.strategy.forward, run.val_loader, ctx.device)
                 run.strategy.train(True)
@@ -85,3 +84,15 @@ def _train_and_evaluate(cfg: Config, steps: int, census: Census) -> int:
         stop.restore()
     peak = tracker.get_tracker_snapshot("peak")
     return max((snap.get("Total", 0) for dev, snap in peak.items() if torch.device(dev).type == "cuda"), default=0)
+
+
+def _tracked_forward(forward, tracker: MemTracker):
+    """``forward`` with the tracker's per-module figures reset before each call (the peak is kept): MemTracker follows
+    one forward of the model per reset, and a step of several micro-batches (``data.micro_batch_size``, which
+    ``plan`` advises where a batch does not fit) makes one each."""
+
+    def tracked(*args, **kwargs):
+        tracker.reset_mod_stats()
+        return forward(*args, **kwargs)
+
+    return tracked
