@@ -104,3 +104,26 @@ def test_best_holds_the_fp32_master_weights_under_bf16(strategy, fm_tree, tmp_pa
     assert all(torch.equal(best[k], master[k]) for k in weights), \
         [k for k in weights if not torch.equal(best[k], master[k])][:5]
     assert any(not torch.equal(master[k], master[k].bfloat16().float()) for k in weights)  # not bf16-rounded
+
+
+def test_a_save_at_once_flushes_every_file_deepspeed_writes_on_its_writer(tmp_path, monkeypatch):
+    """Each rank flushes the files DeepSpeed's engine wrote for it before the save returns (on a shared file
+    system only the writer's fsync flushes them; rank 0 flushes the tree before the publication, its own node's)."""
+    flushed = []
+    fsync = os.fsync
+
+    def recorded(fd):
+        flushed.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    with one_rank_group(CPU):
+        strategy = built_strategy(CPU, "parallel.strategy=zero2")
+        try:
+            strategy_step(strategy, CPU)
+            monkeypatch.setattr(os, "fsync", recorded)
+            strategy.save(tmp_path)
+        finally:
+            monkeypatch.undo()
+            strategy.close()
+    written = sorted(str(p.resolve()) for p in tmp_path.rglob("*.pt"))
+    assert len(written) >= 2 and set(written) <= set(flushed), (written, flushed)

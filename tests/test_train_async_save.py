@@ -64,7 +64,7 @@ def test_a_kill_during_an_async_save_never_publishes_it(fm_tree, tmp_path):
     from support import ranks_cmd, run_ranks
 
     run, out = _run(fm_tree, tmp_path, "killed", True, 8)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONVIT_SCALE_TEST_SLOW_PUBLISH": "4:600"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CONVIT_SCALE_TEST_PUBLISH": "4:600"}
     proc = subprocess.Popen(ranks_cmd(run["recipe"]), env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     written = out / "checkpoints" / "step_000000004.tmp" / "dcp" / ".metadata"
@@ -88,3 +88,25 @@ def test_a_kill_during_an_async_save_never_publishes_it(fm_tree, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert (root / "latest").read_text().strip() == "step_000000008"
     assert "step_000000002 at step 2" in res.stdout + res.stderr  # resumed from the last published save
+
+
+def test_a_failed_background_save_is_made_again_at_once_and_a_stop_still_saves(fm_tree, tmp_path):
+    """The background save of step 2 fails on rank 0's publication (an I/O error, not a storage refusal): no rank
+    waits for it past the failure, and the next save is made at once instead of raising it, logged and recorded:
+    the periodic save of step 4 (the run goes on to its end), and the stop save after SIGTERM in step 3, which exits
+    for its requeue (75) with the stop's checkpoint published. Nothing of step 2 is published."""
+    plan, outs = [], {}
+    for name, env in (("periodic", {}), ("stopped", {"CONVIT_SCALE_SIGNAL_AT_STEP": "3:1"})):
+        run, outs[name] = _run(fm_tree, tmp_path, name, True, 6)
+        plan.append({**run, "env": {"CONVIT_SCALE_TEST_PUBLISH": "2:EIO", **env}})
+    assert run_many(plan, tmp_path / "ranks") == [0, 75]
+    for name, published, at in (("periodic", ["step_000000004", "step_000000006"], 4),
+                                 ("stopped", ["step_000000003"], 3)):
+        root = outs[name] / "checkpoints"
+        assert sorted(p.name for p in root.glob("step_*")) == published, name  # step 2's folder removed
+        assert (root / "latest").read_text().strip() == published[-1]
+        failed = records(outs[name], "checkpoint_failed")
+        assert [(r["step"], r["error"].split(":")[0]) for r in failed] == [(at, "OSError")], failed  # rank 0's
+        saves = {r["step"]: r["background"] for r in records(outs[name], "checkpoint")}
+        assert saves[at] is False, saves
+    assert "Input/output error" in (tmp_path / "ranks" / "output.txt").read_text()

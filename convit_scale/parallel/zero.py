@@ -14,6 +14,7 @@ from .base import Strategy
 from .universal import UNIVERSAL, conversion_wait_s, is_converted, scratch_dir, universal_checkpoint, universal_problem
 from .zero_config import deepspeed_config
 from .zero_engine import (
+    FsyncedFiles,
     OptimizerGate,
     StagedFiles,
     cpu_adam_like,
@@ -108,19 +109,25 @@ class ZeroStrategy(Strategy):
             g["lr"] = lr
 
     def save(self, directory: Path) -> None:
-        self._engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
+        """DeepSpeed's own save, each file flushed to the disk by this rank (``zero_engine.FsyncedFiles``)."""
+        self._save_through(FsyncedFiles(self._engine.checkpoint_engine), directory)
 
     def save_async(self, directory: Path) -> StagedFiles:
         """DeepSpeed's own save, its files serialized into host memory here and written by the background
         publication (``zero_engine.StagedFiles``)."""
         self.background_group()
         staged = StagedFiles(self._engine.checkpoint_engine)
-        self._engine.checkpoint_engine = staged
-        try:
-            self.save(directory)
-        finally:
-            self._engine.checkpoint_engine = staged.inner
+        self._save_through(staged, directory)
         return staged
+
+    def _save_through(self, engine, directory: Path) -> None:
+        """``engine.save_checkpoint`` with ``engine`` standing in for its checkpoint engine for this save."""
+        inner = self._engine.checkpoint_engine
+        self._engine.checkpoint_engine = engine
+        try:
+            self._engine.save_checkpoint(str(directory), tag="zero", save_latest=False)
+        finally:
+            self._engine.checkpoint_engine = inner
 
     def _convert_on_rank0(self, directory: Path, saved_world_size: int) -> Path:
         """Rank 0 converts ``directory`` to a universal checkpoint while the others wait in a patient group (sized by

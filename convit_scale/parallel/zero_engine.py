@@ -187,6 +187,24 @@ def place_state_like_torch(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = value.to(dtype=want[0], device=want[1])
 
 
+class FsyncedFiles:
+    """DeepSpeed's checkpoint engine for a save at once: each file written by the engine's own (``torch.save``), then
+    flushed to the disk by the rank that wrote it, before the save returns. On a shared file system (Lustre, GPFS)
+    only the writer's fsync flushes its node's pages; rank 0's flush of the tree before the publication reaches its
+    own node's, and a node lost after ``latest`` moved would take the others' files with it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def save(self, state_dict, path: str) -> None:
+        self.inner.save(state_dict, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class StagedFiles:
     """DeepSpeed's checkpoint engine for one save beside training (``checkpoint.async_save``): standing in for the
     engine's own during ``save_checkpoint``, it serializes each file's state into host memory as that engine would

@@ -10,6 +10,7 @@ half-written checkpoint that resume would pick.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 
 from .. import comm
 from ..errors import BadInput
-from ..files import publish_dir, readable_mode, recover_swap, write_atomic
+from ..files import fsync_file, publish_dir, readable_mode, recover_swap, write_atomic
 from ..runfolder import BEST, LATEST, META, PREFIX, complete_checkpoints
 from ..trained import latest_checkpoint, weights_metadata
 from .integrity import (
@@ -220,6 +221,7 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background
     future = None
     try:
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        fsync_file(tmp / f"rng_rank{rank}.pt")  # by its writer: rank 0's flush of the tree reaches its own node's
         future = strategy.save_async(tmp) if background else strategy.save(tmp)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; any but a storage failure re-raises
         error = storage_phrase(e)
@@ -240,24 +242,31 @@ def _list_and_publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last:
     """Every rank of ``group`` (the process group if None), once every rank's files are in ``tmp``: the listing,
     each rank reading its share, then rank 0's publication; a storage failure raises on every rank."""
     files = gather_listing(tmp, group)
-    error = None
+    storage, other, failure = None, None, None
     if comm.rank() == 0:
         try:
             publish_checkpoint(root, tmp, final, meta, files, keep_last)
-        except OSError as e:
-            error = storage_phrase(e)
-            if error is None:
-                raise
-    raise_storage(comm.broadcast_object(error, group=group), root, tmp, need, meta["step"])
+        except Exception as e:  # told to the others either way: they would wait in the broadcast until its timeout
+            failure, storage = e, storage_phrase(e)
+            other = None if storage else f"rank 0: {type(e).__name__}: {e}"[:300]
+    storage, other = comm.broadcast_object((storage, other), group=group)
+    raise_storage(storage, root, tmp, need, meta["step"])
+    if failure is not None:
+        raise failure
+    if other:
+        raise RuntimeError(f"the publication of the checkpoint of step {meta['step']} failed on {other}")
 
 
 def publish_checkpoint(root: Path, tmp: Path, final: Path, meta: dict, files: dict | None, keep_last: int) -> None:
     """Rank 0, once every rank's files are in ``tmp``: meta.json (with the listing of the files, sizes and checksums:
     ``listing`` computes it where no listing was gathered), the atomic publication, ``latest``, pruning."""
     files = listing(tmp) if files is None else files
-    slow = os.environ.get(_SLOW_PUBLISH_ENV, "")  # tests: "STEP:SECONDS", a kill lands between write and publication
-    if slow and int(slow.split(":")[0]) == meta["step"]:
-        time.sleep(float(slow.split(":")[1]))
+    hook = os.environ.get(_PUBLISH_HOOK_ENV, "")  # tests: "STEP:SECONDS", a kill lands between write and publication;
+    if hook and int(hook.split(":")[0]) == meta["step"]:  # "STEP:EIO", the file system fails the publication
+        what = hook.split(":")[1]
+        if what == "EIO":
+            raise OSError(errno.EIO, "Input/output error (CONVIT_SCALE_TEST_PUBLISH)", str(tmp / META))
+        time.sleep(float(what))
     (tmp / META).write_text(json.dumps({**meta, "files": files}, indent=1))
     publish_dir(tmp, final)
     write_atomic(root / LATEST, final.name + "\n")
@@ -265,7 +274,7 @@ def publish_checkpoint(root: Path, tmp: Path, final: Path, meta: dict, files: di
         shutil.rmtree(stale, ignore_errors=True)
 
 
-_SLOW_PUBLISH_ENV = "CONVIT_SCALE_TEST_SLOW_PUBLISH"
+_PUBLISH_HOOK_ENV = "CONVIT_SCALE_TEST_PUBLISH"
 
 
 class _InFlight(threading.Thread):
@@ -288,7 +297,18 @@ def _write_then_publish(future, group, root: Path, tmp: Path, final: Path, meta:
                         need: int) -> None:
     """The background thread of every rank: wait for this rank's write, agree with the others (through ``group``)
     that every write completed, then list and publish as a save at once does. A write that failed on any rank
-    publishes nothing on any: a storage failure is the same :class:`StorageError` everywhere."""
+    publishes nothing on any: a storage failure is the same :class:`StorageError` everywhere. A failure leaves no
+    folder behind (rank 0 removes the unpublished one: a whole checkpoint's disk)."""
+    try:
+        _agree_then_publish(future, group, root, tmp, final, meta, keep_last, need)
+    except BaseException:
+        if comm.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _agree_then_publish(future, group, root: Path, tmp: Path, final: Path, meta: dict, keep_last: int,
+                        need: int) -> None:
     failure = None
     try:
         if future is not None:
@@ -315,8 +335,9 @@ def wait_for_save() -> None:
     """Wait until the save in flight, if any, is written and published (every rank calls this: the next save, a
     stop, the end, or the way out of a failed run); its error, if it failed, raises here."""
     while _IN_FLIGHT:
-        flight = _IN_FLIGHT.pop()
-        flight.join()
+        flight = _IN_FLIGHT[-1]
+        flight.join()  # listed until it has ended: an interrupt here leaves it to the next wait
+        _IN_FLIGHT.pop()
         if flight.error is not None:
             raise flight.error
 

@@ -5,8 +5,9 @@
 - ``CONVIT_SCALE_INF_GRAD_AT_STEP=s[:m][,...]``: rank 0's loss stays finite but its gradient becomes inf.
 - ``CONVIT_SCALE_KILL_AT_STEP=s:r[,...]``: rank ``r`` kills itself (SIGKILL, as the OOM killer or a GPU error ends
   a process) when step ``s`` begins; ``CONVIT_SCALE_STOP_AT_STEP=s:r``: it stops itself (SIGSTOP: a hang);
-  ``CONVIT_SCALE_STOP_WORKER_AT_STEP=s:r``: it stops its DataLoader workers (a loader that never delivers). Every
-  start of the run that reaches step ``s`` suffers it again (tests of the launcher's same-failure-twice rule).
+  ``CONVIT_SCALE_STOP_WORKER_AT_STEP=s:r``: it stops its DataLoader workers (a loader that never delivers);
+  ``CONVIT_SCALE_SIGNAL_AT_STEP=s:r``: it sends itself SIGTERM (a preemption, at a known step). Every start of the
+  run that reaches step ``s`` suffers it again (tests of the launcher's same-failure-twice rule).
 - ``CONVIT_SCALE_STEP_DELAY_S=x``: every rank waits ``x`` s before each step (a fault test on a fast CPU, whose
   tiny steps take milliseconds, gets time to hit a run in the middle of an epoch from outside).
 - ``log.debug_memory``: the memory of live tensors after backward, once (``state_mem_mb``; memory.py).
@@ -49,10 +50,10 @@ def _marks(var: str) -> set[tuple[int, int]]:
 
 
 def _process_faults(rank: int) -> dict[int, str]:
-    """{step: "kill" | "stop" | "stop_worker"} of this rank from the environment."""
+    """{step: "kill" | "stop" | "stop_worker" | "signal"} of this rank from the environment."""
     found = {}
     for var, what in (("CONVIT_SCALE_KILL_AT_STEP", "kill"), ("CONVIT_SCALE_STOP_AT_STEP", "stop"),
-                      ("CONVIT_SCALE_STOP_WORKER_AT_STEP", "stop_worker")):
+                      ("CONVIT_SCALE_STOP_WORKER_AT_STEP", "stop_worker"), ("CONVIT_SCALE_SIGNAL_AT_STEP", "signal")):
         found.update({step: what for step, r in _marks(var) if r == rank})
     return found
 
@@ -65,7 +66,7 @@ class Faults:
     nan_loss: set = field(default_factory=set)
     inf_grad: set = field(default_factory=set)
     process: dict = field(default_factory=dict)
-    """{step: "kill" | "stop" | "stop_worker"} of this rank."""
+    """{step: "kill" | "stop" | "stop_worker" | "signal"} of this rank."""
     delay_s: float = 0.0
 
     @classmethod
@@ -83,6 +84,8 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         elif what == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif what == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
         elif what == "stop_worker":
             for child in child_states():
                 os.kill(child["pid"], signal.SIGSTOP)

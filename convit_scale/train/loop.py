@@ -133,9 +133,11 @@ def long_phase(run: Run, phase: str):
 
 
 def save(run: Run, state: TrainState, reason: str):
-    """A checkpoint; beside training (checkpoint.async_save) for the periodic ones, at once for the end and a stop
-    (both wait for the save in flight first). ``save_s`` is the time the step was held."""
-    background = run.cfg.checkpoint.async_save and reason not in ("end", "signal")
+    """A checkpoint; beside training (checkpoint.async_save) for the periodic ones, at once for the end, a stop and
+    the save after one in flight that failed (every save waits for the one in flight first). ``save_s`` is the time
+    the step was held."""
+    failed = _settle_in_flight(run, state, reason)
+    background = run.cfg.checkpoint.async_save and reason not in ("end", "signal") and not failed
     t0 = time.time()
     with long_phase(run, SAVE):
         path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last,
@@ -147,6 +149,24 @@ def save(run: Run, state: TrainState, reason: str):
     log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s"
                  f"{', written beside training' if background else ''})")
     return path
+
+
+def _settle_in_flight(run: Run, state: TrainState, reason: str) -> bool:
+    """Wait for the save in flight, if any; whether it failed. Its failure (every rank's, alike) is logged and
+    recorded, and the save being made goes ahead, at once: raised here, it would end a stop without the checkpoint
+    the stop is for (and without its requeue), the end without the final state, a run without its next checkpoint.
+    A failure of this save too is the run's error. The gloo group of the background saves is made anew at the next
+    one (a collective that timed out leaves its group unusable)."""
+    try:
+        wait_for_save()
+        return False
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"[:500]
+        log(run.ctx, f"the checkpoint written beside training was not published ({error}); the {reason} checkpoint "
+                     f"of step {state.step} is saved at once")
+        run.metrics.write({"kind": "checkpoint_failed", "step": state.step, "reason": reason, "error": error})
+        run.strategy.save_group = None
+        return True
 
 
 def settle_saves(run: Run, failing: bool) -> None:
