@@ -134,6 +134,12 @@ def on_destroy(fn) -> None:
     _on_destroy.append(fn)
 
 
+def destroy_group(group) -> None:
+    """End one subgroup (the background saves' gloo group after a failure): its sockets and threads released."""
+    if is_initialized():
+        dist.destroy_process_group(group)
+
+
 def destroy() -> None:
     """End the process group, and DeepSpeed's references to it when DeepSpeed ran in this process (through its own
     teardown), so that a next run in the same process starts clean; then the callbacks of :func:`on_destroy`."""

@@ -53,3 +53,23 @@ def test_the_crop_and_flip_draws_load_from_numbas_cache_in_a_new_process(tmp_pat
 
     assert run() == [0, 0, 1, 1]  # compiled, then written to the cache
     assert run() == [1, 1, 0, 0]  # loaded
+
+
+def test_without_a_writable_cache_folder_the_draws_compile_in_each_process():
+    """A read-only install with no writable home: numba finds no folder to cache in (emulated: no cache locator),
+    and the module still imports, its functions compiled in the process, the same draws."""
+    import subprocess
+    import sys
+
+    probe = ("import numba.core.caching as c; c.CacheImpl._locator_classes = []\n"
+             "import numpy as np; from convit_scale import splitmix_numba as s\n"
+             "assert s.CACHE is False and s.cache_available(lambda: 0) is False\n"
+             "print(s.seeded_crop(np.uint32(100), np.uint32(80), np.array([0.08, 1.0]), np.array([-0.3, 0.3]), "
+             "np.uint64(7)), bool(s.flipped(np.uint64(7), 0.5)))")
+    cached = subprocess.run([sys.executable, "-c", probe.replace("c.CacheImpl._locator_classes = []", "pass")
+                             .replace("s.CACHE is False and s.cache_available(lambda: 0) is False", "s.CACHE")],
+                            capture_output=True, text=True)
+    uncached = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert uncached.returncode == 0, uncached.stderr[-2000:]
+    assert cached.returncode == 0, cached.stderr[-2000:]
+    assert uncached.stdout == cached.stdout and "(" in uncached.stdout

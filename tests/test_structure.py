@@ -396,8 +396,10 @@ def test_numba_cached_functions_use_nothing_from_other_files():
     import inspect
     import types
 
-    cached_files = {m: p for m, p in _files().items() if "cache=True" in p.read_text()}
+    cached_files = {m: p for m, p in _files().items() if "cache=CACHE" in p.read_text()}
     assert {"convit_scale.splitmix_numba", "convit_scale.data.resample"} <= set(cached_files)
+    fixed = [m for m, p in _files().items() if re.search(r"@(?:numba\.)?njit\([^)]*cache=True", p.read_text())]
+    assert not fixed, f"{fixed}: cache=True fails the import where no cache folder is writable; cache=CACHE"
     wrong, seen = [], 0
     for name, path in cached_files.items():
         module = importlib.import_module(name)

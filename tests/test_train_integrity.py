@@ -301,3 +301,29 @@ def test_listing_names_a_truncated_changed_or_missing_file(tmp_path):
     assert problems[1].startswith("b/c has crc32 ") and problems[1].endswith(f", {listing['b/c']['crc32']} listed "
                                                                               f"(damaged)")
     assert check_listing(tmp_path, listing, checksums=False)[1:] == ["d is missing"]
+
+
+def test_a_failure_of_a_save_raises_alike_on_every_rank_whatever_its_kind(tmp_path):
+    """``checkpoint.agree_on_failure`` (every rank, after its part of a save): a storage refusal is StorageError, an
+    I/O error is itself, and a failure that is no Exception (DCP's CheckpointException is a BaseException) is a
+    RuntimeError from it, which the next save can catch as it catches the others (an interrupt stays one)."""
+    import errno
+
+    from convit_scale.train.checkpoint import agree_on_failure
+    from convit_scale.train.integrity import StorageError
+
+    class CheckpointException(BaseException):
+        pass
+
+    tmp = tmp_path / "step_000000002.tmp"
+    agree_on_failure(None, "the save of step 2", tmp_path, tmp, 0, 2)  # nothing failed: nothing raised
+    cases = [(OSError(errno.ENOSPC, "No space left on device"), StorageError),
+             (OSError(errno.EIO, "Input/output error"), OSError),
+             (CheckpointException("rank 0 failed"), RuntimeError), (KeyboardInterrupt(), KeyboardInterrupt)]
+    for failure, raised in cases:
+        tmp.mkdir(exist_ok=True)
+        with pytest.raises(raised) as got:
+            agree_on_failure(failure, "the save of step 2", tmp_path, tmp, 0, 2)
+        assert type(got.value) is raised or isinstance(got.value, raised), failure
+        if raised is RuntimeError:
+            assert got.value.__cause__ is failure and "rank 0: CheckpointException" in str(got.value)

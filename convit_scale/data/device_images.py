@@ -83,6 +83,8 @@ def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips:
     with torch.cuda.stream(stream):
         crops, refused, failed = decode_crops(payloads, boxes, device, pixels)
     current.wait_stream(stream)
+    if not crops:  # no views: an empty batch on the device, as decode_crop_resize gives it
+        return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), refused, failed)
     for crop in crops:  # their blocks go back to the decode's pool only once the training stream has read them
         crop.record_stream(current)
     return Decoded(resize_list(crops, size, flips, layout="CHW"), refused, failed)

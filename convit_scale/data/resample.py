@@ -21,14 +21,19 @@ import math
 import numba
 import numpy as np
 
+from ..splitmix_numba import cache_available
+
 PRECISION_BITS = 22
 """Pillow's fixed point for 8-bit images: 32 - 8 bits of result - 2 bits of headroom (negative lobes, sums > 1)."""
+
+CACHE = cache_available(lambda: 0)
+"""Whether this file's compiled functions are cached on disk (``splitmix_numba.cache_available``)."""
 
 FILTERS = {"bilinear": 1, "bicubic": 2}
 """``data.interpolation`` -> the filter number the compiled functions take (PIL's BILINEAR and BICUBIC)."""
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def _filter(x, kind):
     """PIL's bilinear (kind 1, support 1) or bicubic (kind 2, a = -0.5, support 2) kernel."""
     if x < 0.0:
@@ -43,7 +48,7 @@ def _filter(x, kind):
     return 0.0
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def _coeffs(in_size, out_size, first, count, kind):
     """Pillow's ``precompute_coeffs`` + ``normalize_coeffs_8bpc`` for outputs ``first .. first + count - 1`` of a
     resize of ``in_size`` samples to ``out_size``: per output, the first input and the number of inputs
@@ -70,13 +75,13 @@ def _coeffs(in_size, out_size, first, count, kind):
     return bounds, weights
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def _clip8(acc):
     v = acc >> PRECISION_BITS
     return 0 if v < 0 else (255 if v > 255 else v)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def _horizontal(src, src_width, top, left, y0, y1, bounds, weights, mid, n_w):
     """Pass 1: rows y0 .. y1 - 1 of the region at (top, left), resampled to the window's n_w columns, into mid."""
     half = np.int32(1 << (PRECISION_BITS - 1))
@@ -97,7 +102,7 @@ def _horizontal(src, src_width, top, left, y0, y1, bounds, weights, mid, n_w):
             mid[out + 3 * o + 2] = _clip8(s2)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def _vertical(mid, y0, bounds, weights, dst, n_h, row_len):
     """Pass 2: the window's n_h rows from the horizontally resampled rows in mid (rows from y0), into dst."""
     acc = np.empty(row_len, np.int32)
@@ -114,7 +119,7 @@ def _vertical(mid, y0, bounds, weights, dst, n_h, row_len):
             dst[out + c] = _clip8(acc[c])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def resize_window(src, src_width, top, left, height, width, out_height, out_width, row0, col0, dst, kind, mid):
     """PIL's resize of the ``height x width`` region at (``top``, ``left``) of ``src`` (an image ``src_width``
     pixels wide) to ``out_height x out_width``, of which only the window of ``dst``'s size starting at output row
@@ -140,14 +145,14 @@ def resize_window(src, src_width, top, left, height, width, out_height, out_widt
     return dst
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def resized_crop(src, src_width, i, j, h, w, dst, kind, mid):
     """timm's RandomResizedCrop after its box is drawn: ``F.resized_crop(img, i, j, h, w, size)``, i.e. the crop
     ``h x w`` at row ``i``, column ``j``, resized to ``dst``'s size."""
     return resize_window(src, src_width, i, j, h, w, dst.shape[0], dst.shape[1], 0, 0, dst, kind, mid)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def _half_even(x2):
     """round(x2 / 2) with Python's (and torchvision's) rounding of halves to even."""
     q = x2 // 2
@@ -156,7 +161,7 @@ def _half_even(x2):
     return q
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def resized_center_crop(src, height, width, short_side, dst, kind, mid):
     """timm's eval view: torchvision's ``Resize(short_side)`` (shorter side to ``short_side``, the longer to
     ``int(short_side * long / short)``), then ``CenterCrop`` to ``dst``'s size (offsets rounded half to even)."""

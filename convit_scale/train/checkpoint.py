@@ -218,16 +218,14 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background
         except OSError as e:
             error = storage_phrase(e)
     raise_storage(comm.broadcast_object(error), root, tmp, need, meta["step"])
-    future = None
+    future, failure = None, None
     try:
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
         fsync_file(tmp / f"rng_rank{rank}.pt")  # by its writer: rank 0's flush of the tree reaches its own node's
         future = strategy.save_async(tmp) if background else strategy.save(tmp)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException; any but a storage failure re-raises
-        error = storage_phrase(e)
-        if error is None:
-            raise
-    raise_storage(next((e for e in comm.all_gather_object(error) if e), None), root, tmp, need, meta["step"])
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        failure = e
+    agree_on_failure(failure, f"the save of step {meta['step']}", root, tmp, need, meta["step"])
     if background:
         flight = _InFlight(target=_write_then_publish, name=f"checkpoint-{final.name}",
                            args=(future, strategy.save_group, root, tmp, final, meta, keep_last, need))
@@ -241,7 +239,14 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background
 def _list_and_publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last: int, need: int, group=None) -> None:
     """Every rank of ``group`` (the process group if None), once every rank's files are in ``tmp``: the listing,
     each rank reading its share, then rank 0's publication; a storage failure raises on every rank."""
-    files = gather_listing(tmp, group)
+    files, failure = None, None
+    try:
+        files = listing(tmp, comm.rank(), comm.world_size())  # this rank's share
+    except Exception as e:  # told to the others: they would wait in the gather until its timeout
+        failure = e
+    agree_on_failure(failure, f"the listing of the checkpoint of step {meta['step']}", root, tmp, need, meta["step"],
+                     group)
+    files = gather_listing(files, group)
     storage, other, failure = None, None, None
     if comm.rank() == 0:
         try:
@@ -315,16 +320,26 @@ def _agree_then_publish(future, group, root: Path, tmp: Path, final: Path, meta:
             future.result()
     except BaseException as e:
         failure = e
+    agree_on_failure(failure, f"the background save of step {meta['step']}", root, tmp, need, meta["step"], group)
+    _list_and_publish(root, tmp, final, meta, keep_last, need, group)
+
+
+def agree_on_failure(failure: BaseException | None, what: str, root: Path, tmp: Path, need: int, step: int,
+                     group=None) -> None:
+    """Every rank of ``group`` (the process group if None) with its own ``failure`` (None if it had none): a
+    storage failure of any rank raises :class:`StorageError` on every rank, any other failure of any rank raises
+    on every rank too (its own error on the rank that had it, a RuntimeError naming that rank elsewhere), so no
+    rank goes on to a collective the others never reach. A failure that is no ``Exception`` (DCP's
+    CheckpointException) is raised as a RuntimeError from it, so that callers can tell it from an interrupt."""
     storage = None if failure is None else storage_phrase(failure)
     other = None if failure is None or storage else f"rank {comm.rank()}: {type(failure).__name__}: {failure}"[:300]
     outcomes = comm.all_gather_object((storage, other), group)
-    raise_storage(next((s for s, _ in outcomes if s), None), root, tmp, need, meta["step"])
-    if failure is not None:
+    raise_storage(next((s for s, _ in outcomes if s), None), root, tmp, need, step)
+    if failure is not None and isinstance(failure, (Exception, KeyboardInterrupt, SystemExit)):
         raise failure
-    if any(o for _, o in outcomes):
-        raise RuntimeError(f"the background save of step {meta['step']} failed on "
-                           f"{next(o for _, o in outcomes if o)}; nothing was published")
-    _list_and_publish(root, tmp, final, meta, keep_last, need, group)
+    if failure is not None or any(o for _, o in outcomes):
+        raise RuntimeError(f"{what} failed on {next(o for _, o in outcomes if o)}; nothing was published") \
+            from failure
 
 
 def save_in_flight() -> bool:

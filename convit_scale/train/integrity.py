@@ -59,11 +59,12 @@ def listing(folder: Path, rank: int = 0, world: int = 1) -> dict[str, dict]:
     return list_files(folder, tree_files(folder, skip=(META,))[rank::world])
 
 
-def gather_listing(folder: Path, group=None) -> dict[str, dict]:
-    """Every rank calls this once all ranks have written their files: the listing of the whole folder, each rank
-    reading its share (``group``: the group of the collective, as :func:`comm.all_gather_object` takes it)."""
+def gather_listing(share: dict[str, dict], group=None) -> dict[str, dict]:
+    """Every rank calls this once all ranks have listed their share of the folder (``listing(folder, rank,
+    world_size)``): the listing of the whole folder (``group``: the group of the collective, as
+    :func:`comm.all_gather_object` takes it)."""
     out: dict[str, dict] = {}
-    for part in comm.all_gather_object(listing(folder, comm.rank(), comm.world_size()), group):
+    for part in comm.all_gather_object(share, group):
         out.update(part)
     return dict(sorted(out.items()))
 

@@ -136,10 +136,10 @@ def save(run: Run, state: TrainState, reason: str):
     """A checkpoint; beside training (checkpoint.async_save) for the periodic ones, at once for the end, a stop and
     the save after one in flight that failed (every save waits for the one in flight first). ``save_s`` is the time
     the step was held."""
-    failed = _settle_in_flight(run, state, reason)
-    background = run.cfg.checkpoint.async_save and reason not in ("end", "signal") and not failed
     t0 = time.time()
-    with long_phase(run, SAVE):
+    with long_phase(run, SAVE):  # the wait for the save in flight too: a write of minutes is no hang
+        failed = _settle_in_flight(run, state, reason)
+        background = run.cfg.checkpoint.async_save and reason not in ("end", "signal") and not failed
         path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last,
                                background=background)
     seconds = time.time() - t0
@@ -152,21 +152,31 @@ def save(run: Run, state: TrainState, reason: str):
 
 
 def _settle_in_flight(run: Run, state: TrainState, reason: str) -> bool:
-    """Wait for the save in flight, if any; whether it failed. Its failure (every rank's, alike) is logged and
-    recorded, and the save being made goes ahead, at once: raised here, it would end a stop without the checkpoint
-    the stop is for (and without its requeue), the end without the final state, a run without its next checkpoint.
-    A failure of this save too is the run's error. The gloo group of the background saves is made anew at the next
-    one (a collective that timed out leaves its group unusable)."""
+    """Wait for the save in flight, if any; whether it failed on any rank (agreed by every rank: the save that
+    follows is a collective, made alike everywhere). Its failure is logged and recorded, and the save being made
+    goes ahead, at once: raised here, it would end a stop without the checkpoint the stop is for (and without its
+    requeue), the end without the final state, a run without its next checkpoint. A failure of this save too is the
+    run's error. The gloo group of the background saves is destroyed and made anew at the next one (a collective
+    that timed out leaves its group unusable)."""
+    if not run.cfg.checkpoint.async_save:
+        return False  # nothing was saved beside training
+    error = None
     try:
         wait_for_save()
-        return False
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = f"{type(e).__name__}: {e}"[:500]
-        log(run.ctx, f"the checkpoint written beside training was not published ({error}); the {reason} checkpoint "
-                     f"of step {state.step} is saved at once")
-        run.metrics.write({"kind": "checkpoint_failed", "step": state.step, "reason": reason, "error": error})
-        run.strategy.save_group = None
-        return True
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if not errors:
+        return False
+    log(run.ctx, f"the checkpoint written beside training was not published ({errors[0]}); the {reason} checkpoint "
+                 f"of step {state.step} is saved at once")
+    run.metrics.write({"kind": "checkpoint_failed", "step": state.step, "reason": reason, "error": errors[0]})
+    group, run.strategy.save_group = run.strategy.save_group, None
+    if group is not None:
+        comm.destroy_group(group)
+    return True
 
 
 def settle_saves(run: Run, failing: bool) -> None:
