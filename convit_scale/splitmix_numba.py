@@ -7,9 +7,9 @@ the device augmentation (counters from 0) and of drop-path (``models.convit.DROP
 same seeds.
 
 ``seeded_crop`` and ``flipped`` (a view's RandomResizedCrop box and flip, ``data/sample.py``'s contract) live here
-with the generator because every function here is cached on disk by numba: every training process compiles them at
-start-up (``sample.compile_draws``: 0.53 CPU s on the 2-core test machine, 0.15 s loaded from the cache), per rank
-of a 32-rank job, per requeue. Numba invalidates a cached function only when its own file changes, so a cached
+with the generator because every function here is cached on disk by numba: every training process needs them at
+start-up (``sample.compile_draws``), every rank of a job at every requeue, and numba's cache turns their compilation
+into a load. Numba invalidates a cached function only when its own file changes, so a cached
 function calls and reads nothing defined in another file of the package (``tests/test_structure.py``). The cache
 lies in ``__pycache__`` beside this file, or in the user's cache folder where the package's folder is read-only
 (numba's rule; ``NUMBA_CACHE_DIR`` overrides both); where neither is writable the functions are compiled in each
