@@ -81,11 +81,27 @@ def patient_group(timeout_s: float):
     if not is_initialized():
         yield None
         return
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group = patient_gloo_group(timeout_s)
     try:
         yield group
     finally:
-        dist.destroy_process_group(group)
+        destroy_group(group)
+
+
+_patient: list = []
+"""The groups whose own timeout :func:`set_timeout` leaves as it is (:func:`patient_gloo_group`)."""
+
+
+def patient_gloo_group(timeout_s: float):
+    """A gloo group of every rank (every rank calls this) whose collectives wait up to ``timeout_s``, which
+    :func:`set_timeout` leaves as it is: the process group's timeout shortened after a phase does not reach it
+    (the background saves' group, whose collectives wait for the slowest rank's write beside training). None without
+    a process group."""
+    if not is_initialized():
+        return None
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    _patient.append(group)
+    return group
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -101,9 +117,10 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
 
 def set_timeout(seconds: float) -> bool:
     """Make ``seconds`` the timeout of every later collective of every process group of this rank (the default one
-    and its subgroups: FSDP2's mesh, DeepSpeed's), as torchtitan shortens it after the first step. torch >= 2.10 has
-    ``dist.set_timeout``; 2.6-2.9 the same as ``distributed_c10d._set_pg_timeout``; both reach gloo and NCCL.
-    Returns whether it was set (False without a process group, or on a torch with neither)."""
+    and its subgroups: FSDP2's mesh, DeepSpeed's; not the patient ones, :func:`patient_gloo_group`), as torchtitan
+    shortens it after the first step. torch >= 2.10 has ``dist.set_timeout``; 2.6-2.9 the same as
+    ``distributed_c10d._set_pg_timeout``; both reach gloo and NCCL. Returns whether it was set (False without a
+    process group, or on a torch with neither)."""
     if not is_initialized():
         return False
     c10d = dist.distributed_c10d
@@ -112,6 +129,8 @@ def set_timeout(seconds: float) -> bool:
         return False
     timeout = datetime.timedelta(seconds=seconds)
     for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {})) or [None]:
+        if any(group is g for g in _patient):  # a timeout of its own
+            continue
         try:
             setter(timeout, group)
         except (ValueError, RuntimeError, AssertionError):  # a group this rank is not in, a backend without it (MPI)
@@ -135,7 +154,9 @@ def on_destroy(fn) -> None:
 
 
 def destroy_group(group) -> None:
-    """End one subgroup (the background saves' gloo group after a failure): its sockets and threads released."""
+    """End one subgroup (a patient group after its work; the background saves' after a failure): its sockets and
+    threads released."""
+    _patient[:] = [g for g in _patient if g is not group]
     if is_initialized():
         dist.destroy_process_group(group)
 

@@ -26,6 +26,12 @@ from torch import nn
 from .. import comm
 from ..config import ParallelConfig
 
+SAVE_GROUP_TIMEOUT_S = 7200
+"""The background saves' gloo group waits this long for the slowest rank's write (a checkpoint of many GB on a busy
+shared file system), past the process group's timeout of the steps, which ``comm.set_timeout`` leaves out of it. A
+write that hangs is ended before that by the watchdog of the next save, which waits for it in its long phase
+(``fault.long_phase_timeout_s``)."""
+
 
 @runtime_checkable
 class ShardableModel(Protocol):
@@ -138,13 +144,14 @@ class Strategy:
         raise NotImplementedError(f"strategy {self.name} has no save beside training (checkpoint.async_save)")
 
     save_group = None
-    """The gloo group of the background saves' collectives (``background_group``, made at the first one)."""
+    """The gloo group of the background saves' collectives (``background_group``, made at the first one), with its
+    own timeout (``SAVE_GROUP_TIMEOUT_S``)."""
 
     def background_group(self):
         """``save_group``, made at the first background save (a collective: every rank reaches its first save).
         Under NCCL the step's collectives go on while the publication's go through it."""
         if self.save_group is None and comm.is_initialized():
-            self.save_group = torch.distributed.new_group(backend="gloo")
+            self.save_group = comm.patient_gloo_group(SAVE_GROUP_TIMEOUT_S)
         return self.save_group
 
     def load(self, directory: Path, saved_world_size: int) -> None:
