@@ -28,7 +28,6 @@ FLIP_DRAW = 40
 """The flip's draw: ``uniform(seed, FLIP_DRAW) < p``."""
 
 
-
 def cache_available(probe) -> bool:
     """Whether numba can cache the compiled functions of ``probe``'s file: the package's ``__pycache__``, the user's
     cache folder or ``NUMBA_CACHE_DIR`` is writable. Where none is (a read-only install, a container, no writable

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .batch import Batch, Boxes, Encoded
-from .device_resize import Decoded, decode_crop_resize, decode_crops, resize_list, resize_packed
+from .device_resize import Decoded, decode_crop_resize, decode_crops, resize_packed, resized
 from .faults import next_good
 
 
@@ -83,11 +83,9 @@ def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips:
     with torch.cuda.stream(stream):
         crops, refused, failed = decode_crops(payloads, boxes, device, pixels)
     current.wait_stream(stream)
-    if not crops:  # no views: an empty batch on the device, as decode_crop_resize gives it
-        return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), refused, failed)
     for crop in crops:  # their blocks go back to the decode's pool only once the training stream has read them
         crop.record_stream(current)
-    return Decoded(resize_list(crops, size, flips, layout="CHW"), refused, failed)
+    return resized(crops, refused, failed, size, flips, device)
 
 
 def _replace(images: torch.Tensor, labels: torch.Tensor, failed: dict, group: int):

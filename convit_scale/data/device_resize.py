@@ -512,10 +512,16 @@ def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: i
     device = torch.device(device)
     _check_size(size)
     _check_flips(flips, len(encoded))
-    crops, refused, failed = decode_crops(encoded, boxes, device, pixels)
+    return resized(*decode_crops(encoded, boxes, device, pixels), size, flips, device)
+
+
+def resized(crops: list[torch.Tensor], refused: int, failed: dict[int, str], size: int, flips: torch.Tensor | None,
+            device: torch.device) -> Decoded:
+    """``decode_crops``'s crops resized to ``size`` in one ``resize_list`` (a failed view's black pixel: zeros), on
+    ``device`` however few."""
     if not crops:
-        return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), 0)
-    return Decoded(resize_list(crops, size, flips, layout="CHW"), refused, failed)  # a failed view: zeros
+        return Decoded(torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), refused, failed)
+    return Decoded(resize_list(crops, size, flips, layout="CHW"), refused, failed)
 
 
 def decode_crops(encoded: list[torch.Tensor], boxes: torch.Tensor, device: torch.device,

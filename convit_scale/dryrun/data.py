@@ -55,10 +55,15 @@ class SyntheticLoader:
         return batch.pin_memory() if spec.pin_memory else batch
 
 
-def _boxes(gen: torch.Generator, b: int, size: int) -> Boxes:
+def _sides(gen: torch.Generator, b: int, size: int) -> tuple[list, np.random.Generator]:
+    """``b`` crop boxes' (h, w) (``BOX_SIDES``), and a generator for their pixels, from ``gen``."""
     lo, hi = (int(size * f) for f in BOX_SIDES)
     sides = torch.randint(lo, hi + 1, (b, 2), generator=gen).tolist()
-    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    return sides, np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+
+
+def _boxes(gen: torch.Generator, b: int, size: int) -> Boxes:
+    sides, rng = _sides(gen, b, size)
     return Boxes.of([(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), j % 2 == 0) for j, (h, w) in enumerate(sides)])
 
 
@@ -67,9 +72,7 @@ def _encoded(gen: torch.Generator, b: int, size: int) -> Encoded:
     path on the device, its own stream, the crops' copy and the resize on the training stream, all but nvJPEG's
     decode itself, which simulated GPUs cannot run (its full images, about 0.5 MB a view on the device, are not in
     the peak)."""
-    lo, hi = (int(size * f) for f in BOX_SIDES)
-    sides = torch.randint(lo, hi + 1, (b, 2), generator=gen).tolist()
-    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    sides, rng = _sides(gen, b, size)
     views = []
     for j, (h, w) in enumerate(sides):
         height, width = h + int(rng.integers(0, h + 1)), w + int(rng.integers(0, w + 1))  # the box inside its image

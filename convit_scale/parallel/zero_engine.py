@@ -11,9 +11,11 @@ import contextlib
 import io
 import os
 import types
+from pathlib import Path
 
 import torch
 
+from ..files import fsync_file
 from .base import square_sum
 
 
@@ -198,8 +200,7 @@ class FsyncedFiles:
 
     def save(self, state_dict, path: str) -> None:
         self.inner.save(state_dict, path)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_file(Path(path))
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -246,20 +246,14 @@ def _list_and_publish(root: Path, tmp: Path, final: Path, meta: dict, keep_last:
         failure = e
     agree_on_failure(failure, f"the listing of the checkpoint of step {meta['step']}", root, tmp, need, meta["step"],
                      group)
-    files = gather_listing(files, group)
-    storage, other, failure = None, None, None
+    files, failure = gather_listing(files, group), None
     if comm.rank() == 0:
         try:
             publish_checkpoint(root, tmp, final, meta, files, keep_last)
-        except Exception as e:  # told to the others either way: they would wait in the broadcast until its timeout
-            failure, storage = e, storage_phrase(e)
-            other = None if storage else f"rank 0: {type(e).__name__}: {e}"[:300]
-    storage, other = comm.broadcast_object((storage, other), group=group)
-    raise_storage(storage, root, tmp, need, meta["step"])
-    if failure is not None:
-        raise failure
-    if other:
-        raise RuntimeError(f"the publication of the checkpoint of step {meta['step']} failed on {other}")
+        except Exception as e:  # told to the others: they would wait for rank 0 until the group's timeout
+            failure = e
+    agree_on_failure(failure, f"the publication of the checkpoint of step {meta['step']}", root, tmp, need,
+                     meta["step"], group)
 
 
 def publish_checkpoint(root: Path, tmp: Path, final: Path, meta: dict, files: dict | None, keep_last: int) -> None:
@@ -338,8 +332,8 @@ def agree_on_failure(failure: BaseException | None, what: str, root: Path, tmp: 
     if failure is not None and isinstance(failure, (Exception, KeyboardInterrupt, SystemExit)):
         raise failure
     if failure is not None or any(o for _, o in outcomes):
-        raise RuntimeError(f"{what} failed on {next(o for _, o in outcomes if o)}; nothing was published") \
-            from failure
+        raise RuntimeError(f"{what} failed on {next(o for _, o in outcomes if o)}; `latest` stays on the previous "
+                           f"checkpoint") from failure
 
 
 def save_in_flight() -> bool:
