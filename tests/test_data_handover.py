@@ -17,7 +17,7 @@ from convit_scale.config import ConfigError, DataConfig, load_config
 from convit_scale.data import LoaderSpec, build_loader
 from convit_scale.data.batch import Batch, Boxes, Encoded
 from convit_scale.data.device_augment import handover_of
-from convit_scale.data.device_images import batch_on_device
+from convit_scale.data.device_images import StepImages, batch_on_device
 
 CPU = torch.device("cpu")
 CROP_ONLY = {"repeated_aug": 1, "rand_augment": None, "color_jitter": 0.0, "reprob": 0.0}
@@ -55,6 +55,27 @@ def test_handed_over_views_are_the_pixel_modes_views(fmt, handover, fm_tree, fm_
     for (x, y, seeds, ids), (x1, y1, seeds1, ids1) in zip(finished[1], finished[0][3:], strict=True):
         assert ids == ids1[16:] and torch.equal(seeds, seeds1[16:]) and torch.equal(y, y1[16:])
         assert torch.equal(x, x1[16:]), f"{fmt} {handover}: resumed on rank 1 of 2, other pixels than on one rank"
+
+
+def test_a_repeated_micro_batch_is_decoded_once(fm_wds):
+    """Rank 1 of 3 holding one of 4 canonical groups repeats its micro-batch with weight 0 (data/steps.py): the
+    training step's ``StepImages`` gives the repeat the images decoded for the micro-batch before it, not a second
+    decode and resize, and keeps nothing past it (the next step's micro-batch is decoded)."""
+    d = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0, global_batch_size=32,
+                   canonical_groups=4, **CROP_ONLY)
+    spec = LoaderSpec("train", 28, 8, 3, 1, seed=3, augment_on_device=True, handover="jpeg", global_batch_size=32,
+                      canonical_groups=4)
+    assert [p.samples for p in spec.micro_parts] == [8, 0]
+    on_device, made = StepImages(CPU, 28, spec.group_size), []
+    for m, b in enumerate(itertools.islice(build_loader(d, spec).epoch(0), 4)):
+        assert isinstance(b.images, Encoded)
+        made.append(on_device(b, repeated_next=m % 2 == 0))
+    for step in range(2):
+        (x, y), (x_again, y_again) = made[2 * step], made[2 * step + 1]
+        assert x_again is x and y_again is y
+    assert not torch.equal(made[2][0], made[0][0]) and on_device._held is None
+    first = next(iter(build_loader(d, spec).epoch(0)))
+    assert torch.equal(batch_on_device(first, CPU, 28, spec.group_size)[0], made[0][0])
 
 
 def test_boxes_and_encoded_views_cut_and_join_as_tensors_do():

@@ -44,6 +44,27 @@ def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -
     return out, labels
 
 
+class StepImages:
+    """``batch_on_device`` for one step's micro-batches in turn. A part with no samples (``MicroPart.samples == 0``) is
+    the previous micro-batch again (the same ``Batch.images``, ``data/steps.py``): it gets the tensors made for that one
+    instead of a second copy, decode and resize. They are kept only while the next part is such a repeat."""
+
+    def __init__(self, device: torch.device, size: int, group: int):
+        self.device, self.size, self.group = device, size, group
+        self._held: tuple | None = None
+
+    def __call__(self, batch: Batch, repeated_next: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images, labels) of ``batch`` on the device; ``repeated_next``: the next micro-batch repeats this one."""
+        held, self._held = self._held, None
+        if held is not None and held[0] is batch.images:
+            out = held[1]
+        else:
+            out = batch_on_device(batch, self.device, self.size, self.group)
+        if repeated_next:
+            self._held = (batch.images, out)
+        return out
+
+
 REFUSED = [0]
 """JPEGs the device's decoder refused that PIL decoded on the host, in this process (the training log counts them)."""
 

@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..data import Batch, DataError
 from ..data.device_augment import augment_batch, to_device
-from ..data.device_images import batch_on_device
+from ..data.device_images import StepImages
 from ..data.geometry import MicroPart
 from ..data.order import step_seed
 from ..data.transforms import seed_all
@@ -105,11 +105,13 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
     stats, bad_samples, ids, taken = StepStats(ctx.device), [], [], 0
+    spec = run.train_loader.spec
+    on_device = StepImages(ctx.device, spec.img_size, spec.group_size)
     for m, batch in enumerate(micro_batches):
         watch.mark(COMPUTE)
         ids.extend(batch.ids or ())
         with strategy.micro_batch(is_last_micro=m == run.accum - 1):
-            _micro_step(run, state, batch, m, stats)
+            _micro_step(run, state, batch, m, stats, on_device)
         bad_samples.extend(batch.bad)  # after the step: views the device could not decode are added there
         state.batch_in_epoch, taken = state.batch_in_epoch + 1, m + 1
         watch.mark(DATA)
@@ -156,11 +158,12 @@ def _sample_draws(run: Run, state: TrainState, batch: Batch, part: MicroPart, si
     return (None if keep is None else moved[0]), (moved[-len(plan):] if plan else None)
 
 
-def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepStats) -> None:
+def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepStats, on_device: StepImages) -> None:
     """Forward and backward of micro-batch ``m``; its loss and non-finite flag are added to ``stats`` on the device."""
-    device, spec = run.ctx.device, run.train_loader.spec
-    part = spec.micro_parts[m]
-    x, y = batch_on_device(batch, device, spec.img_size, spec.group_size)  # resized/decoded there if handed over so
+    parts = run.train_loader.spec.micro_parts
+    part = parts[m]
+    repeated_next = m + 1 < len(parts) and not parts[m + 1].samples
+    x, y = on_device(batch, repeated_next)  # resized/decoded there if handed over so; a repeat's images once
     if not part.samples:  # a repeat, weighted 0: its views were counted where they first came
         batch.bad.clear()
     keep, plan = _sample_draws(run, state, batch, part, tuple(x.shape[-2:]))
