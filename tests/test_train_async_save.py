@@ -92,21 +92,25 @@ def test_a_kill_during_an_async_save_never_publishes_it(fm_tree, tmp_path):
 
 def test_a_failed_background_save_is_made_again_at_once_and_a_stop_still_saves(fm_tree, tmp_path):
     """The background save of step 2 fails on rank 0's publication (an I/O error, not a storage refusal): no rank
-    waits for it past the failure, and the next save is made at once instead of raising it, logged and recorded:
-    the periodic save of step 4 (the run goes on to its end), and the stop save after SIGTERM in step 3, which exits
-    for its requeue (75) with the stop's checkpoint published. Nothing of step 2 is published."""
+    waits for it past the failure, and every rank knows it at the next step (its packed reduction), not at the next
+    save: it is logged and recorded and saved again at once from step 3 (the run goes on to its end, saving step 4
+    beside training); a stop signalled in step 3 makes that save the stop's, which exits for its requeue (75) with
+    the stop's checkpoint published. Nothing of step 2 is published. Each step waits 1 s (the background thread has
+    ended before step 3's reduction)."""
     plan, outs = [], {}
-    for name, env in (("periodic", {}), ("stopped", {"CONVIT_SCALE_SIGNAL_AT_STEP": "3:1"})):
+    for name, env in (("periodic", {"CONVIT_SCALE_STEP_DELAY_S": "1"}),
+                      ("stopped", {"CONVIT_SCALE_SIGNAL_AT_STEP": "3:1"})):
         run, outs[name] = _run(fm_tree, tmp_path, name, True, 6)
         plan.append({**run, "env": {"CONVIT_SCALE_TEST_PUBLISH": "2:EIO", **env}})
     assert run_many(plan, tmp_path / "ranks") == [0, 75]
-    for name, published, at in (("periodic", ["step_000000004", "step_000000006"], 4),
-                                 ("stopped", ["step_000000003"], 3)):
+    for name, published, reason in (("periodic", ["step_000000003", "step_000000004", "step_000000006"], "retry"),
+                                     ("stopped", ["step_000000003"], "signal")):
         root = outs[name] / "checkpoints"
         assert sorted(p.name for p in root.glob("step_*")) == published, name  # step 2's folder removed
         assert (root / "latest").read_text().strip() == published[-1]
         failed = records(outs[name], "checkpoint_failed")
-        assert [(r["step"], r["error"].split(":")[0]) for r in failed] == [(at, "OSError")], failed  # rank 0's
+        assert [(r["step"], r["reason"], r["error"].split(":")[0]) for r in failed] == [(3, reason, "OSError")], \
+            failed  # rank 0's
         saves = {r["step"]: r["background"] for r in records(outs[name], "checkpoint")}
-        assert saves[at] is False, saves
+        assert saves[3] is False and saves.get(4) is (True if name == "periodic" else None), saves
     assert "Input/output error" in (tmp_path / "ranks" / "output.txt").read_text()

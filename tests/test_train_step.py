@@ -76,4 +76,7 @@ def test_step_stats_are_named_slots_of_one_reduction():
     stats.add("stop", 1.0)
     totals = stats.reduce()  # no process group: the identity
     assert isinstance(totals, StepTotals) and totals.loss_sum == 3.0 and totals.stop == 1.0
-    assert totals.bad_loss == totals.grad_sq == totals.bad_samples == 0.0
+    assert totals.bad_loss == totals.grad_sq == totals.bad_samples == totals.save_failed == 0.0
+    from convit_scale.planner import STEP_REDUCTION_BYTES
+
+    assert STEP_REDUCTION_BYTES == stats.vector.numel() * stats.vector.element_size()  # what the planner counts

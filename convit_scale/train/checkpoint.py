@@ -340,6 +340,11 @@ def save_in_flight() -> bool:
     return any(t.is_alive() for t in _IN_FLIGHT)
 
 
+def save_failed() -> bool:
+    """Whether this rank's save in flight has ended with an error that ``wait_for_save`` has not raised yet."""
+    return any(not t.is_alive() and t.error is not None for t in _IN_FLIGHT)
+
+
 def wait_for_save() -> None:
     """Wait until the save in flight, if any, is written and published (every rank calls this: the next save, a
     stop, the end, or the way out of a failed run); its error, if it failed, raises here."""

@@ -170,8 +170,9 @@ def _settle_in_flight(run: Run, state: TrainState, reason: str) -> bool:
     errors = [e for e in comm.all_gather_object(error) if e]
     if not errors:
         return False
-    log(run.ctx, f"the checkpoint written beside training was not published ({errors[0]}); the {reason} checkpoint "
-                 f"of step {state.step} is saved at once")
+    then = (f"the {reason} checkpoint of step {state.step} is saved at once" if reason
+            else "the next checkpoint is saved at once")
+    log(run.ctx, f"the checkpoint written beside training was not published ({errors[0]}); {then}")
     run.metrics.write({"kind": "checkpoint_failed", "step": state.step, "reason": reason, "error": errors[0]})
     group, run.strategy.save_group = run.strategy.save_group, None
     if group is not None:
@@ -221,12 +222,27 @@ def _first_step(run: Run, state: TrainState, resumed_from: int) -> None:
                      f"{rec['steps_redone']} step(s) redone from checkpoint step {resumed_from}")
 
 
+def _after_failed_save(run: Run, state: TrainState) -> None:
+    """The save in flight failed (every rank knows it at the same step: ``StepTotals.save_failed``): logged and
+    recorded now, and made again at once from this step, unless the end's save follows or the state follows a bad
+    step (then the next save is)."""
+    if state.step < run.total_steps and state.consecutive_bad == 0:
+        save(run, state, "retry")
+    else:
+        with long_phase(run, SAVE):
+            _settle_in_flight(run, state, "")
+
+
 def _after_step(run: Run, state: TrainState, res: StepResult, resumed_from: int) -> None:
-    """The checkpoints a step may end with (every_steps, every_minutes), then the watchdog's progress mark."""
+    """The checkpoints a step may end with (a failed save's retry, every_steps, every_minutes), then the watchdog's
+    progress mark."""
     cfg = run.cfg.checkpoint
-    if res.save_due and not (cfg.every_steps and state.step % cfg.every_steps == 0):
-        _periodic_save(run, state, 1, state.step, "every_minutes")
-    _periodic_save(run, state, cfg.every_steps, state.step, "every_steps")
+    if res.save_failed:
+        _after_failed_save(run, state)  # in place of a periodic save due at this step
+    else:
+        if res.save_due and not (cfg.every_steps and state.step % cfg.every_steps == 0):
+            _periodic_save(run, state, 1, state.step, "every_minutes")
+        _periodic_save(run, state, cfg.every_steps, state.step, "every_steps")
     first = not run.watch.started
     run.watch.step_done(state.step)
     if first:

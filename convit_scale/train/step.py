@@ -17,6 +17,7 @@ from ..data.device_images import StepImages
 from ..data.geometry import MicroPart
 from ..data.order import step_seed
 from ..data.transforms import seed_all
+from .checkpoint import save_failed
 from .memory import tensor_memory_mb
 from .schedule import lr_at
 from .setup import Run
@@ -47,6 +48,9 @@ class StepTotals(NamedTuple):
     log_due: float
     """Rank 0's clock says log.every_seconds have passed since the last record: every rank logs after this step (the
     log step gathers from every rank)."""
+    save_failed: float
+    """Ranks whose checkpoint written beside training ended with an error: every rank then settles it and saves again
+    after this step, instead of training on without a checkpoint until the next save."""
 
 
 class StepStats:
@@ -81,6 +85,8 @@ class StepResult:
     """checkpoint.every_minutes elapsed on rank 0's clock (the same decision on every rank)."""
     log_due: bool = False
     """log.every_seconds elapsed on rank 0's clock (the same decision on every rank)."""
+    save_failed: bool = False
+    """The save in flight failed on some rank (the same on every rank)."""
 
 
 def steps_of_epoch(run: Run, state: TrainState):
@@ -126,6 +132,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats.add("bad_samples", float(len(bad_samples)))  # gathered below only when some rank has any
     stats.add("save_due", float(ctx.is_main and state.meters.save_due(run.every_minutes)))
     stats.add("log_due", float(ctx.is_main and state.meters.log_due(cfg.log.every_seconds)))
+    stats.add("save_failed", float(save_failed()))
     watch.mark(REDUCE)
     totals = stats.reduce()
     if totals.bad_samples:
@@ -143,7 +150,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     watch.device_mark(state.step, run.accum, "update")  # the device has finished the step when this completes
     bad = bool(totals.bad_loss or bad_grad)
     return StepResult(totals.loss_sum / cfg.data.global_batch_size, None if bad else norm, bad, totals.stop > 0,
-                      lr, bad_samples, ids, totals.save_due > 0, totals.log_due > 0)
+                      lr, bad_samples, ids, totals.save_due > 0, totals.log_due > 0, totals.save_failed > 0)
 
 
 def _sample_draws(run: Run, state: TrainState, batch: Batch, part: MicroPart, size: tuple[int, int]) -> tuple:
