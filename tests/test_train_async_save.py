@@ -94,23 +94,24 @@ def test_a_failed_background_save_is_made_again_at_once_and_a_stop_still_saves(f
     """The background save of step 2 fails on rank 0's publication (an I/O error, not a storage refusal): no rank
     waits for it past the failure, and every rank knows it at the next step (its packed reduction), not at the next
     save: it is logged and recorded and saved again at once from step 3 (the run goes on to its end, saving step 4
-    beside training); a stop signalled in step 3 makes that save the stop's, which exits for its requeue (75) with
-    the stop's checkpoint published. Nothing of step 2 is published. Each step waits 1 s (the background thread has
-    ended before step 3's reduction)."""
+    beside training); after a bad step 3 (a NaN loss) the save waits for good step 4, in place of step 4's save
+    beside training; a stop signalled in step 3 makes that save the stop's, which exits for its requeue (75) with
+    the stop's checkpoint published. Nothing of step 2 is published."""
     plan, outs = [], {}
-    for name, env in (("periodic", {"CONVIT_SCALE_STEP_DELAY_S": "1"}),
+    for name, env in (("periodic", {}), ("bad", {"CONVIT_SCALE_NAN_AT_STEP": "2"}),
                       ("stopped", {"CONVIT_SCALE_SIGNAL_AT_STEP": "3:1"})):
         run, outs[name] = _run(fm_tree, tmp_path, name, True, 6)
         plan.append({**run, "env": {"CONVIT_SCALE_TEST_PUBLISH": "2:EIO", **env}})
-    assert run_many(plan, tmp_path / "ranks") == [0, 75]
-    for name, published, reason in (("periodic", ["step_000000003", "step_000000004", "step_000000006"], "retry"),
-                                     ("stopped", ["step_000000003"], "signal")):
+    assert run_many(plan, tmp_path / "ranks") == [0, 0, 75]
+    for name, published, reason, at_once in (("periodic", [3, 4, 6], "retry", 3), ("bad", [4, 6], "pending", 4),
+                                             ("stopped", [3], "signal", 3)):
         root = outs[name] / "checkpoints"
-        assert sorted(p.name for p in root.glob("step_*")) == published, name  # step 2's folder removed
-        assert (root / "latest").read_text().strip() == published[-1]
+        assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:09d}" for s in published], name  # not 2
+        assert (root / "latest").read_text().strip() == f"step_{published[-1]:09d}"
         failed = records(outs[name], "checkpoint_failed")
         assert [(r["step"], r["reason"], r["error"].split(":")[0]) for r in failed] == [(3, reason, "OSError")], \
             failed  # rank 0's
-        saves = {r["step"]: r["background"] for r in records(outs[name], "checkpoint")}
-        assert saves[3] is False and saves.get(4) is (True if name == "periodic" else None), saves
+        saves = {r["step"]: (r["reason"], r["background"]) for r in records(outs[name], "checkpoint")}
+        assert saves[at_once] == ("signal" if name == "stopped" else "retry", False), saves
+        assert name == "stopped" or saves[4] == (("every_steps", True) if at_once == 3 else ("retry", False)), saves
     assert "Input/output error" in (tmp_path / "ranks" / "output.txt").read_text()

@@ -202,7 +202,8 @@ def save_checkpoint(root: Path, strategy, meta: dict, keep_last: int, background
     With ``background`` (every strategy), the step pays for the copy of the state into host memory; the files are
     written, listed (sizes and checksums) and published by a thread of each rank once every rank's write completed,
     its collectives through the strategy's gloo save group: a crash or a kill before then leaves ``latest`` on the
-    previous checkpoint. Its failure raises at the next save, the stop save or the end (:func:`wait_for_save`)."""
+    previous checkpoint. Its failure is found by the first step after its thread ended (:func:`save_failed`, in the
+    step's packed reduction), or else by the next save, the stop save or the end (:func:`wait_for_save`)."""
     wait_for_save()  # at most one save in flight: the previous one is published, or its error raised, first
     rank = comm.rank()
     final = root / f"{PREFIX}{meta['step']:09d}"
@@ -341,7 +342,12 @@ def save_in_flight() -> bool:
 
 
 def save_failed() -> bool:
-    """Whether this rank's save in flight has ended with an error that ``wait_for_save`` has not raised yet."""
+    """Whether this rank's save in flight has ended with an error that ``wait_for_save`` has not raised yet. Under
+    the test hook's failure (``CONVIT_SCALE_TEST_PUBLISH=STEP:EIO``) the save in flight is waited for first: the
+    tests know the step at which it is found (the step after it), which a thread's end would otherwise race."""
+    if os.environ.get(_PUBLISH_HOOK_ENV, "").endswith(":EIO"):
+        for flight in _IN_FLIGHT:
+            flight.join()
     return any(not t.is_alive() and t.error is not None for t in _IN_FLIGHT)
 
 

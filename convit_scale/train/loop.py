@@ -139,11 +139,12 @@ def save(run: Run, state: TrainState, reason: str):
     t0 = time.time()
     with long_phase(run, SAVE):  # the wait for the save in flight too: a write of minutes is no hang
         failed = _settle_in_flight(run, state, reason)
-        background = run.cfg.checkpoint.async_save and reason not in ("end", "signal") and not failed
+        background = (run.cfg.checkpoint.async_save and reason not in ("end", "signal") and not failed
+                      and not state.meters.retry_save)
         path = save_checkpoint(run.checkpoints, run.strategy, _meta(run, state, reason), run.cfg.checkpoint.keep_last,
                                background=background)
     seconds = time.time() - t0
-    state.meters.last_save_time = time.monotonic()
+    state.meters.last_save_time, state.meters.retry_save = time.monotonic(), False
     run.metrics.write({"kind": "checkpoint", "step": state.step, "reason": reason, "save_s": round(seconds, 3),
                        "background": background})
     log(run.ctx, f"checkpoint {path} (step {state.step}, {reason}, {seconds:.1f} s"
@@ -170,8 +171,8 @@ def _settle_in_flight(run: Run, state: TrainState, reason: str) -> bool:
     errors = [e for e in comm.all_gather_object(error) if e]
     if not errors:
         return False
-    then = (f"the {reason} checkpoint of step {state.step} is saved at once" if reason
-            else "the next checkpoint is saved at once")
+    then = (f"the {reason} checkpoint of step {state.step} is saved at once" if reason != "pending"
+            else "the next save is made at once (after a good step, or the epoch's or the end's)")
     log(run.ctx, f"the checkpoint written beside training was not published ({errors[0]}); {then}")
     run.metrics.write({"kind": "checkpoint_failed", "step": state.step, "reason": reason, "error": errors[0]})
     group, run.strategy.save_group = run.strategy.save_group, None
@@ -222,23 +223,28 @@ def _first_step(run: Run, state: TrainState, resumed_from: int) -> None:
                      f"{rec['steps_redone']} step(s) redone from checkpoint step {resumed_from}")
 
 
-def _after_failed_save(run: Run, state: TrainState) -> None:
-    """The save in flight failed (every rank knows it at the same step: ``StepTotals.save_failed``): logged and
-    recorded now, and made again at once from this step, unless the end's save follows or the state follows a bad
-    step (then the next save is)."""
-    if state.step < run.total_steps and state.consecutive_bad == 0:
+def _retry_save(run: Run, state: TrainState, failed_now: bool) -> None:
+    """A save beside training failed (every rank knows it at the same step: ``StepTotals.save_failed`` of the first
+    step after its thread ended, or the save that settled it): saved again at once from this step, unless the
+    state follows a bad step (then from the first step after a good one) or the epoch's or the end's save follows
+    this step (that one is made at once). A failure found now is logged and recorded first."""
+    if failed_now:
+        state.meters.retry_save = True
+    epoch_save = _epoch_finished(run, state) and run.cfg.checkpoint.every_epochs is not None and \
+        (state.epoch + 1) % run.cfg.checkpoint.every_epochs == 0
+    if state.step < run.total_steps and state.consecutive_bad == 0 and not epoch_save:
         save(run, state, "retry")
-    else:
+    elif failed_now:
         with long_phase(run, SAVE):
-            _settle_in_flight(run, state, "")
+            _settle_in_flight(run, state, "pending")
 
 
 def _after_step(run: Run, state: TrainState, res: StepResult, resumed_from: int) -> None:
     """The checkpoints a step may end with (a failed save's retry, every_steps, every_minutes), then the watchdog's
     progress mark."""
     cfg = run.cfg.checkpoint
-    if res.save_failed:
-        _after_failed_save(run, state)  # in place of a periodic save due at this step
+    if res.save_failed or state.meters.retry_save:
+        _retry_save(run, state, res.save_failed)  # in place of a periodic save due at this step
     else:
         if res.save_due and not (cfg.every_steps and state.step % cfg.every_steps == 0):
             _periodic_save(run, state, 1, state.step, "every_minutes")

@@ -27,6 +27,9 @@ class Meters:
     """The latest evaluation (with the best so far), then the end of the run."""
     last_save_time: float = field(default_factory=time.monotonic)
     """When this process last saved (or started): checkpoint.every_minutes counts from it, on rank 0's clock."""
+    retry_save: bool = False
+    """A save written beside training failed and no save has been made at once since (the same on every rank): the
+    next save point, or the first step after a good one, saves at once."""
 
     def log_due(self, every_seconds: float | None) -> bool:
         """Whether ``every_seconds`` have passed since the last log record, on this process's clock."""
