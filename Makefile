@@ -42,14 +42,15 @@ $(STAMP): pyproject.toml convit_scale/_jpeg_roi.c | $(PY)
 	touch $(STAMP)
 
 # DeepSpeed's CPU Adam (the optimizer of ZeRO offload) is a C++ extension that DeepSpeed compiles on first use into
-# torch's extension cache (~/.cache/torch_extensions, up to date: a few seconds). Compiled here, alone, it takes about
+# torch's extension cache (~/.cache/torch_extensions/py311_cpu-<environment>: convit_scale/extensions.py; up to date: a
+# few seconds). Compiled here, alone, it takes about
 # 90 s on 2 cores; compiled by the first offload test, about 4.5 min, competing with the tests of the other worker.
 cpu-adam: setup
-	@$(PY) -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" >/dev/null || { \
+	@$(PY) -c "from convit_scale.parallel.zero_engine import build_cpu_adam; build_cpu_adam()" >/dev/null || { \
 	  echo "error: DeepSpeed's CPU Adam did not build (it needs a C++ compiler: apt-get install g++)"; exit 1; }
 
 # plan --dry-run's driverless CUDA extension (convit_scale/dryrun/native.py) compiles on first use into
-# ~/.cache/convit-scale (up to date: a second); built here, alone, before the tests that use it. Nothing to build
+# ~/.cache/convit-scale, one build per environment (up to date: a second); built here, alone, before the tests that use it. Nothing to build
 # where the installed torch cannot simulate GPUs (those tests say why and are skipped).
 dryrun-ext: setup
 	@$(PY) -c "from convit_scale.dryrun.native import simulation_problem, load; simulation_problem() or load()" || { \

@@ -51,3 +51,26 @@ def test_optimizer_state_is_placed_as_torchs_load_state_dict_places_it(fused):
         for key, value in reference.state[p].items():
             assert (ours.state[p][key].dtype, ours.state[p][key].device) == (value.dtype, value.device), key
             assert torch.equal(ours.state[p][key].double(), value.double())
+
+
+def test_compiled_extensions_are_cached_per_environment(monkeypatch):
+    """DeepSpeed's CPU Adam and the dry run's extension build into a folder of this Python environment: a build file
+    names its environment's include paths, so two environments sharing one folder rebuild it whenever the other ran.
+    A TORCH_EXTENSIONS_DIR the user set is kept."""
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from convit_scale import extensions
+    from convit_scale.dryrun.native import cache_dir
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    own = extensions.use_own_torch_extensions_dir()
+    tag = extensions.environment_tag()
+    assert own.endswith(f"-{tag}") and Path(_get_build_directory("cpu_adam", False)) == Path(own) / "cpu_adam"
+    assert cache_dir().name.endswith(f"-{tag}")
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
+    assert extensions.environment_tag() != tag and not cache_dir().name.endswith(f"-{tag}")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/site/extensions")
+    assert extensions.use_own_torch_extensions_dir() == "/site/extensions"

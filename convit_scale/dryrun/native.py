@@ -1,6 +1,7 @@
-"""The driverless CUDA (``driverless_cuda.cpp``) built once per torch release with torch's own extension builder and
-kept in a per-user cache (``~/.cache/convit-scale/driverless-cuda/<torch version>``, or ``$XDG_CACHE_HOME``): the
-first dry run on a machine compiles it (about 40 s on two cores), later ones load it."""
+"""The driverless CUDA (``driverless_cuda.cpp``) built once per torch release and Python environment with torch's own
+extension builder and kept in a per-user cache (``~/.cache/convit-scale/driverless-cuda/<torch version>-<environment
+tag>``, or ``$XDG_CACHE_HOME``; ``extensions.py``): the first dry run of an environment compiles it, later ones load
+it."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load as load_extension
 
+from ..extensions import environment_tag
+
 SOURCE = Path(__file__).with_name("driverless_cuda.cpp")
 
 
 def cache_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     tag = torch.__version__.replace("+", "_")
-    return base / "convit-scale" / "driverless-cuda" / tag
+    return base / "convit-scale" / "driverless-cuda" / f"{tag}-{environment_tag()}"  # extensions.py: why per env
 
 
 def build_problem() -> str | None:

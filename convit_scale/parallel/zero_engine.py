@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..extensions import use_own_torch_extensions_dir
 from ..files import fsync_file
 from .base import square_sum
 
@@ -95,13 +96,22 @@ def share_fp32_master_partitions() -> None:
 def cpu_adam_like(optimizer: torch.optim.Optimizer):
     """The same AdamW (parameter groups, betas, eps, weight decay) as DeepSpeed's vectorised CPU Adam,
     which ZeRO-Offload steps on the host: DeepSpeed refuses a torch optimizer there. The extension is
-    compiled on first use (about a minute, cached in TORCH_EXTENSIONS_DIR)."""
+    compiled on first use (about a minute, cached per environment: ``extensions.py``)."""
+    use_own_torch_extensions_dir()
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     d = optimizer.defaults
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                             adamw_mode=True)
+
+
+def build_cpu_adam() -> None:
+    """DeepSpeed's CPU Adam compiled (or found up to date) where ``cpu_adam_like`` loads it: ``make cpu-adam``."""
+    use_own_torch_extensions_dir()
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    CPUAdamBuilder().load()
 
 
 def skip_shm_comm_build() -> None:

@@ -1,0 +1,33 @@
+"""Where the C++ extensions compiled on first use are cached: one folder per Python environment.
+
+A build file of ``torch.utils.cpp_extension`` names the include paths of the environment that wrote it (its torch,
+its DeepSpeed, its Python). Two environments that share a home (two checkouts, a cluster's virtual environments)
+and one cache folder rebuild each other's extension whenever the other ran last: about a minute of C++ at the start
+of a job, with every rank of the node waiting on the build's lock. Keyed by the environment (``sys.prefix``), each
+keeps its own build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+
+def environment_tag() -> str:
+    """A short name of this Python environment: a digest of its resolved ``sys.prefix``."""
+    return hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+
+
+def use_own_torch_extensions_dir() -> str:
+    """``TORCH_EXTENSIONS_DIR``, where DeepSpeed's JIT-built ops (its CPU Adam) go: unless set, torch's default
+    folder of this Python and accelerator (``~/.cache/torch_extensions/py311_cpu``) with this environment's tag,
+    set for this process and its children."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        import torch
+        from torch.utils.cpp_extension import get_default_build_root
+
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-{environment_tag()}"
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), folder)
+    return os.environ["TORCH_EXTENSIONS_DIR"]
