@@ -12,6 +12,14 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from pathlib import Path
+
+import torch
+
+
+def cache_root() -> Path:
+    """The per-user cache folder: ``$XDG_CACHE_HOME``, else ``~/.cache`` (torch's and numba's too)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def environment_tag() -> str:
@@ -24,10 +32,7 @@ def use_own_torch_extensions_dir() -> str:
     folder of this Python and accelerator (``~/.cache/torch_extensions/py311_cpu``) with this environment's tag,
     set for this process and its children."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
-        import torch
-        from torch.utils.cpp_extension import get_default_build_root
-
         accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
         folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-{environment_tag()}"
-        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), folder)
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(cache_root().resolve() / "torch_extensions" / folder)
     return os.environ["TORCH_EXTENSIONS_DIR"]

@@ -43,7 +43,7 @@ LAYERS = [
      "convit_scale.console", "convit_scale.metrics", "convit_scale.augment_policy", "convit_scale.imagetree",
      "convit_scale.ffcv_threads", "convit_scale.jpeg", "convit_scale.splitmix",
      "convit_scale.splitmix_numba", "convit_scale.streams",
-     "convit_scale.gpu_wheels"],
+     "convit_scale.gpu_wheels", "convit_scale.extensions"],
     ["convit_scale.manifest"],
     ["convit_scale.models"],
     ["convit_scale.config"],

@@ -14,15 +14,14 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load as load_extension
 
-from ..extensions import environment_tag
+from ..extensions import cache_root, environment_tag
 
 SOURCE = Path(__file__).with_name("driverless_cuda.cpp")
 
 
 def cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     tag = torch.__version__.replace("+", "_")
-    return base / "convit-scale" / "driverless-cuda" / f"{tag}-{environment_tag()}"  # extensions.py: why per env
+    return cache_root() / "convit-scale" / "driverless-cuda" / f"{tag}-{environment_tag()}"  # per env: extensions.py
 
 
 def build_problem() -> str | None:
