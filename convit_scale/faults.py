@@ -5,6 +5,8 @@ OOM, a hang, a lost node), where (rank, node, step, phase), how long it took to 
 
 - ``start``: before each srun step: the newest checkpoint now (the progress rule below compares with it), and a
   record for a start that ended without the launcher saying how (Slurm requeued the job after a node failure);
+- ``close``: after a step that ended as planned (finished, refused, stopped for its requeue): how it ended, so that
+  the next start does not take it for a start that ended unseen;
 - ``end``: after it: one line in the job log and one record in ``run_dir/faults.jsonl`` per fault, from the ranks'
   heartbeats and hang reports (train/watchdog.py) and srun's or torchrun's account of the first task that failed;
   then the action it prints for the launcher: ``restart`` (a new srun step inside the allocation, which is still
@@ -350,9 +352,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="before a training step of the job")
     e = sub.add_parser("end", help="after a failed training step of the job: prints restart, requeue or stop")
-    for q in (s, e):
+    c = sub.add_parser("close", help="after a training step of the job that ended as planned")
+    for q in (s, e, c):
         q.add_argument("--out", required=True, type=Path, help="the run folder")
+    for q in (s, e):
         q.add_argument("--nodes", default="", help="the allocation's nodes, comma separated")
+    c.add_argument("--outcome", required=True, help="how the step ended, e.g. 'stopped' or 'exit 0'")
     s.add_argument("--job", default="")
     s.add_argument("--restart", type=int, default=0, help="SLURM_RESTART_COUNT")
     e.add_argument("--rc", type=int, required=True, help="the step's exit status")
@@ -363,9 +368,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    nodes = [n for n in args.nodes.split(",") if n]
+    nodes = [n for n in getattr(args, "nodes", "").split(",") if n]
     if args.cmd == "start":
         start(args.out, args.job, args.restart, nodes)
+        return 0
+    if args.cmd == "close":
+        _close_start(args.out, args.outcome)
         return 0
     log = args.log.read_text(errors="replace") if args.log is not None and args.log.is_file() else ""
     print(end(args.out, args.rc, log, nodes, args.max_restarts))

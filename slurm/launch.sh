@@ -271,6 +271,7 @@ while :; do
         esac
     fi
     if [ $stopped = yes ]; then
+        faults close --out "$OUT" --outcome stopped || echo "warning: faults close could not record the stop" >&2
         requeue_job "stopped with a checkpoint" "stopped before the time limit with a checkpoint"
     fi
     if [ $rc -eq "$EXIT_REQUEUE" ]; then
@@ -279,7 +280,10 @@ while :; do
         echo "== $MARKER is ignored: training exited with status $rc"
     fi
     # Finished (0), refused (2: bad input, data) or stopped by the non-finite policy (3): no restart repeats it.
-    case $rc in 0 | "$EXIT_BAD_INPUT" | "$EXIT_NONFINITE" | "$EXIT_REQUEUE") echo "== training exited with status $rc"; exit $rc ;; esac
+    case $rc in 0 | "$EXIT_BAD_INPUT" | "$EXIT_NONFINITE" | "$EXIT_REQUEUE")
+        faults close --out "$OUT" --outcome "exit $rc" || echo "warning: faults close could not record the exit" >&2
+        echo "== training exited with status $rc"; exit $rc ;;
+    esac
     # An unplanned failure (a crash, an OOM, a hang ended by the watchdog, a lost node, a save the file system
     # refused: 77): one line and a record in $OUT/faults.jsonl, then a restart from the newest checkpoint if the run
     # made progress since this start; never a second restart into a storage failure. The statuses and the run

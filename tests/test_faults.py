@@ -103,6 +103,18 @@ def test_a_start_that_ended_unseen_is_recorded_as_a_lost_node(tmp_path, capsys):
     assert "fault: node lost of rank 1 on n2" in capsys.readouterr().err
 
 
+def test_a_start_closed_by_its_launcher_is_no_lost_node_at_the_next_start(tmp_path, capsys):
+    """A step that stopped for its requeue (or finished) is closed by the launcher (``faults close``, as
+    slurm/launch.sh calls it): the requeued job's next start records no fault."""
+    out = _run(tmp_path, 3)
+    assert faults.main(["start", "--out", str(out), "--job", "7", "--nodes", "n1,n2"]) == 0
+    assert faults.main(["close", "--out", str(out), "--outcome", "stopped"]) == 0
+    assert faults.main(["start", "--out", str(out), "--job", "7", "--restart", "1", "--nodes", "n1"]) == 0
+    assert not (out / "faults.jsonl").exists() and "fault" not in capsys.readouterr().err
+    starts = [json.loads(line) for line in (out / "faults_starts.jsonl").read_text().splitlines()]
+    assert [s.get("outcome") for s in starts] == ["stopped", None]
+
+
 def test_the_launchers_first_failure_and_a_lost_node_come_before_a_watchdogs_report_of_silence():
     """Rank 0's watchdog reports a rank whose heartbeat stopped; that rank may have been killed (srun's first failure
     is its death by a signal: a crash) or stopped (srun's first failure is rank 0's exit after its report: a hang),

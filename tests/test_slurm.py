@@ -89,6 +89,9 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm, fm_tree, tmp_
     assert re.findall(r"== nodes (\d+), ", text) == (["2", "1"] if elastic else ["2", "2"])  # both starts
     end = records(out, "end")
     assert len(end) == 1 and end[0]["step"] == 60
+    # a planned requeue is no fault: the launcher closed the stopped start, the next start recorded nothing
+    assert not (out / "faults.jsonl").exists() and "== fault" not in text, text[-3000:]
+    assert [s.get("outcome") for s in _lines(out / "faults_starts.jsonl")] == ["stopped", "exit 0"]
     steps = [r["step"] for r in records(out)]
     assert steps == list(range(1, 61))  # no step lost or repeated across the requeue
     meta = json.loads((out / "checkpoints" / "step_000000060" / "meta.json").read_text())
