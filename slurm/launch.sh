@@ -18,7 +18,8 @@
 #   MASTER_ADDR   rendezvous host (default: first node of the job)
 #   MASTER_PORT   rendezvous port (default: 10000 + SLURM_JOB_ID % 20000, below the ephemeral range)
 #   STOP_GRACE_S  torchrun only: seconds the ranks get, after the pre-timeout signal, to save before
-#                 torchrun kills them (default 300; keep it under the script's --signal=USR1@T)
+#                 torchrun kills them (default 240; keep it under the script's --signal=USR1@T, 300, which
+#                 must also leave the time the requeue takes)
 #   MAX_REQUEUES  how many times the job may requeue itself (default 50), compared with SLURM_RESTART_COUNT
 #   MAX_RESTARTS  how many new srun steps one allocation may start after unplanned failures (default 10)
 # CPUs: each rank gets its share of the job's CPUs and as many OpenMP threads (OMP_NUM_THREADS): srun
@@ -198,7 +199,7 @@ clear_marker() {
 run_training() {
     if [ "$LAUNCHER" = torchrun ]; then
         export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
-        export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-300}
+        export PET_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-240}
         # One task per node (explicit --ntasks: the job's SLURM_NTASKS would ask for one per GPU) with all of
         # the node's CPUs, unbound, for torchrun to share among its ranks.
         # shellcheck disable=SC2086

@@ -34,3 +34,39 @@ def test_outside_the_main_thread_the_refusal_says_how_to_train_there():
 
     with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="main thread.*child process"):
         pool.submit(StopSignal).result()
+
+
+def test_a_stop_signal_during_a_ranks_imports_is_kept_for_training():
+    """A rank's first act records SIGUSR1/SIGTERM (their default would end it): a signal sent while it imports, before
+    training installs its handler, is that handler's from the start; after training a stop signal ends the process
+    again (the default), as its launcher expects."""
+    import subprocess
+    import sys
+
+    probe = ("import os, signal\n"
+             "from convit_scale.train import signals\n"
+             "signals.catch_early()\n"
+             "os.kill(os.getpid(), signal.SIGUSR1)  # during the imports that follow, in a rank\n"
+             "import torch  # noqa: F401\n"
+             "stop = signals.StopSignal()\n"
+             "assert stop.requested and stop.signum == signal.SIGUSR1\n"
+             "assert not signals.StopSignal().requested  # taken once\n"
+             "stop.restore()\n"
+             "print('kept', flush=True)\n"
+             "os.kill(os.getpid(), signal.SIGUSR1)\n"
+             "print('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGUSR1 and done.stdout == "kept\n", done.stderr[-2000:]
+
+
+def test_a_rank_catches_stop_signals_before_its_imports():
+    """``python -m convit_scale.train`` calls ``catch_early`` before it imports the package's heavy modules."""
+    import ast
+    from pathlib import Path
+
+    import convit_scale.train.__main__ as rank_main
+
+    tree = ast.parse(Path(rank_main.__file__).read_text())
+    guard = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+    later = [n for n in tree.body[tree.body.index(guard):] if isinstance(n, ast.ImportFrom)]
+    assert ast.unparse(guard.body[0]) == "catch_early()" and {n.module for n in later} >= {"config", "engine"}

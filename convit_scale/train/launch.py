@@ -41,7 +41,7 @@ def launch_torchrun(train_args: list[str], nproc: int, env: dict | None = None, 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "convit_scale.train", *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PET_SHUTDOWN_TIMEOUT": os.environ.get("STOP_GRACE_S", "300"),
+           "PET_SHUTDOWN_TIMEOUT": os.environ.get("STOP_GRACE_S", "240"),
            # Slurm may signal torchrun itself with USR1 (the whole step is signalled): torch >= 2.9 then forwards it
            "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", **(env or {})}
     if marker is not None:
