@@ -37,15 +37,16 @@ def test_outside_the_main_thread_the_refusal_says_how_to_train_there():
 
 
 def test_a_stop_signal_during_a_ranks_imports_is_kept_for_training():
-    """A rank's first act records SIGUSR1/SIGTERM (their default would end it): a signal sent while it imports, before
-    training installs its handler, is that handler's from the start; after training a stop signal ends the process
-    again (the default), as its launcher expects."""
+    """A rank's first act records SIGUSR1 (Slurm's pre-timeout signal; its default would end it): one sent while it
+    imports, before training installs its handler, is that handler's from the start; after training it ends the
+    process again (the default), as its launcher expects. SIGTERM keeps its default meanwhile."""
     import subprocess
     import sys
 
     probe = ("import os, signal\n"
              "from convit_scale.train import signals\n"
              "signals.catch_early()\n"
+             "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
              "os.kill(os.getpid(), signal.SIGUSR1)  # during the imports that follow, in a rank\n"
              "import torch  # noqa: F401\n"
              "stop = signals.StopSignal()\n"

@@ -17,7 +17,7 @@ from .. import entry
 from .signals import catch_early
 
 if __name__ == "__main__":
-    catch_early()  # a stop signal during the imports and the preflight is kept, not fatal (signals.py)
+    catch_early()  # Slurm's USR1 during the imports and the preflight is kept, not fatal (signals.py)
     entry.importing()  # a rank's start: no collections while torch and timm import (entry.py)
 
 from ..config import ConfigError, find_recipe, load_config

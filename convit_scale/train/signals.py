@@ -15,13 +15,13 @@ _EARLY: list[int] = []
 
 
 def catch_early() -> None:
-    """A rank's first act (``python -m convit_scale.train``): SIGUSR1 and SIGTERM are recorded from now on instead
-    of ending the process (their default action), through the seconds of imports, and of rank 0's preflight,
-    before training installs ``StopSignal``, which takes them over. Slurm sends its pre-timeout signal once: a rank
-    started just before it (a restart in the job's last minutes) stops after its first step with a checkpoint
-    instead of dying of it."""
-    for s in STOP_SIGNALS:
-        signal.signal(s, _record_early)
+    """A rank's first act (``python -m convit_scale.train``): SIGUSR1 is recorded from now on instead of ending the
+    process (its default action), through the seconds of imports, and of rank 0's preflight, before training
+    installs ``StopSignal``, which takes it over. Slurm sends its pre-timeout signal once: a rank started just before
+    it (a restart in the job's last minutes) stops after its first step with a checkpoint instead of dying of it.
+    SIGTERM keeps its default until then: it is also how a launcher ends the ranks of a start that failed, which
+    must not wait for them to reach training."""
+    signal.signal(signal.SIGUSR1, _record_early)
 
 
 def _record_early(signum, frame):
