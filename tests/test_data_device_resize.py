@@ -243,6 +243,38 @@ def test_a_failure_of_the_device_in_the_decoder_propagates(jpegs, monkeypatch, e
     assert not device_resize.device_fault(RuntimeError("Not a JPEG file: starts with 0x89 0x50"))
 
 
+def test_a_failure_of_the_decoders_own_allocation_is_tried_once_more(jpegs, monkeypatch):
+    """nvJPEG's ALLOCATOR_FAILURE (5) once: the call is made again (on CUDA after torch's cache gave its free blocks
+    back) and the batch decodes; twice in a row it is raised. A torchvision without nvJPEG is the device's fault."""
+    real, calls = device_resize._decode, []
+
+    def once(data, device):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise RuntimeError("Failed to decode batch: 5")
+        return real(data, device)
+
+    monkeypatch.setattr(device_resize, "_decode", once)
+    res = decode_crop_resize([_tensor(jpegs["4:2:0"])] * 2, torch.tensor([(0, 0, 9, 9)] * 2), SIZE, None, "cpu")
+    assert calls == [2, 2] and res.refused == 0 and res.images.shape == (2, 3, SIZE, SIZE)
+    assert device_resize.device_fault(RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"))
+
+
+def test_a_decoder_that_refuses_a_whole_batch_pil_decodes_is_raised(jpegs, monkeypatch):
+    """Every JPEG of a batch of 8 refused (a file's status, 3) while PIL decodes them all: the decoder's fault (a
+    broken installation), raised with what to set, not a run at PIL's pace on the training thread; 7 are taken as
+    refused files."""
+    def refusing(data, device):
+        raise RuntimeError("Failed to decode batch: 3")
+
+    monkeypatch.setattr(device_resize, "_decode", refusing)
+    one = _tensor(jpegs["4:2:0"])
+    res = decode_crop_resize([one] * 7, torch.tensor([(0, 0, 9, 9)] * 7), SIZE, None, "cpu")
+    assert res.refused == 7 and res.failed == {}
+    with pytest.raises(RuntimeError, match=r"refused all 8 JPEGs of a batch that PIL decodes.*data.decode_on=cpu"):
+        decode_crop_resize([one] * 8, torch.tensor([(0, 0, 9, 9)] * 8), SIZE, None, "cpu")
+
+
 def test_cmyk_jpegs_are_decoded_on_the_host_not_offered_to_the_device(jpegs):
     """nvJPEG decodes 4-component (CMYK, YCCK) JPEGs only when asked, and torchvision does not ask: they go to PIL
     (the reference's pixels), like a PNG under a .JPEG name, and never fail a batched call."""

@@ -379,12 +379,15 @@ def _decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor
 NVJPEG_DEVICE_FAILURE = re.compile(
     r"out of memory|CUDA ERROR|cuda\w+ failed|Failed to (synchronize|initialize|create|attach)"
     r"|Failed to (decode batch|decode jpeg stream|parse jpeg stream|get image info|transfer jpeg to device): "
-    r"(1|5|7)\b", re.IGNORECASE)
+    r"(1|5|7)\b|not compiled with nvjpeg", re.IGNORECASE)
 """torchvision's messages (its CUDA decoder, 0.19-0.29) for a failure of the device or of nvJPEG's own set-up, never a
-file's: CUDA errors, its streams, buffers and handles, and nvJPEG's statuses NOT_INITIALIZED (1), ALLOCATOR_FAILURE
-(5: nvJPEG allocates outside torch's cache, the likeliest allocation to fail when that cache holds the GPU) and
-ARCH_MISMATCH (7). A file's: BAD_JPEG (3), JPEG_NOT_SUPPORTED (4), INCOMPLETE_BITSTREAM (10) and the CPU decoder's
-libjpeg messages."""
+file's: CUDA errors, its streams, buffers and handles, nvJPEG's statuses NOT_INITIALIZED (1), ALLOCATOR_FAILURE (5:
+nvJPEG allocates outside torch's cache, the likeliest allocation to fail when that cache holds the GPU) and
+ARCH_MISMATCH (7), and a torchvision built without nvJPEG. A file's: BAD_JPEG (3), JPEG_NOT_SUPPORTED (4),
+INCOMPLETE_BITSTREAM (10) and the CPU decoder's libjpeg messages."""
+NVJPEG_ALLOCATION = re.compile(r": 5\b|out of memory", re.IGNORECASE)
+"""A device failure of the decoder's own allocations (nvJPEG's ALLOCATOR_FAILURE, torchvision's out-of-memory): the
+memory torch's cache holds free is given back to the device and the call made once more before it is raised."""
 
 
 def device_fault(e: BaseException) -> bool:
@@ -441,7 +444,7 @@ def _decode_accepted(encoded: list[torch.Tensor], idx: list[int], device: torch.
     if not idx:
         return
     try:
-        out.update(zip(idx, _decode([encoded[i] for i in idx], device)))
+        out.update(zip(idx, _retried_decode([encoded[i] for i in idx], device)))
     except RuntimeError as e:
         if device_fault(e):
             raise
@@ -453,6 +456,27 @@ def _decode_accepted(encoded: list[torch.Tensor], idx: list[int], device: torch.
         half = len(idx) // 2
         _decode_accepted(encoded, idx[:half], device, out, refused)
         _decode_accepted(encoded, idx[half:], device, out, refused)
+
+
+def _retried_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``_decode``, made once more after a failure of the decoder's own allocations (``NVJPEG_ALLOCATION``) with the
+    free blocks of torch's cache given back to the device first: nvJPEG's buffers grow outside that cache (a later
+    batch of larger files), which may hold the free memory they need. torch's own out-of-memory error already
+    followed such a release, and is raised."""
+    try:
+        return _decode(data, device)
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError) or not (device_fault(e) and NVJPEG_ALLOCATION.search(str(e))):
+            raise
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        return _decode(data, device)
+
+
+REFUSED_ALL_AT = 8
+"""A batch of at least this many JPEGs that the device's decoder refused, every one, while PIL decoded them all: the
+decoder's fault, not the files' (``decode_crops`` raises it instead of training on at PIL's pace)."""
 
 
 def _check_box(i: int, box: tuple, ih: int, iw: int) -> None:
@@ -548,6 +572,10 @@ def decode_crops(encoded: list[torch.Tensor], boxes: torch.Tensor, device: torch
     failed: dict[int, str] = {}
     host, decoded = _host_crops(encoded, box_list, [i for i in range(len(encoded)) if i not in on_device], pixels,
                                 failed)
+    if len(accepted) >= REFUSED_ALL_AT and len(refused) == len(accepted) and not failed.keys() & set(refused):
+        raise RuntimeError(f"the device's decoder ({device}) refused all {len(refused)} JPEGs of a batch that PIL "
+                           f"decodes: a fault of the decoder or of its installation (torchvision's nvJPEG), not of "
+                           f"the files; set data.decode_on=cpu to decode them on the host")
     crops = _to_device(host, device, rows=any(img.stride(2) == 3 for img in on_device.values()))
     for i, img in on_device.items():
         _check_box(i, box_list[i], img.shape[1], img.shape[2])
