@@ -1,6 +1,7 @@
 """``plan --dry-run``: the recipe's own training step on simulated GPUs (convit_scale/dryrun), in this process.
 
-Every strategy at two world sizes shows the step clean (no device mismatch, no CPU tensor in a collective, no
+Every strategy at 2 ranks, and the layouts whose shards depend on the world (FSDP2, HSDP's 2 x 2 mesh, ZeRO-3) at 4
+on 2 nodes too, shows the step clean (no device mismatch, no CPU tensor in a collective, no
 pageable copy after the warm-up, DDP and FSDP2 one host read per step, ZeRO the host read plus DeepSpeed's own waits,
 ``report.DEEPSPEED_WAITS``), and each kind of defect planted in the project's code is caught. A tiny ConViT at a
 32-pixel input keeps each run to seconds; the ConViT-B+ runs at 32 ranks are BENCHMARKS.md's ("Simulated GPUs"),
@@ -59,8 +60,14 @@ def _waits(summary) -> list[tuple[str, str, float]]:
     return sorted((r["what"], r["origin"], r["count"]) for r in summary["host wait"]["each"])
 
 
-@pytest.mark.parametrize("world", [(1, 2), (2, 2)], ids=["world2", "world4"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+AT_FOUR = ("fsdp2", "hsdp", "zero3")
+"""The layouts also run at 4 ranks on 2 nodes: those whose shards (and HSDP's mesh) change with the world; DDP's,
+ZeRO-1/2's and the kept FSDP2's step is the same code at any world size."""
+
+
+@pytest.mark.parametrize("layout, world", [(layout, (1, 2)) for layout in LAYOUTS]
+                         + [(layout, (2, 2)) for layout in AT_FOUR],
+                         ids=[f"{layout}-world2" for layout in LAYOUTS] + [f"{layout}-world4" for layout in AT_FOUR])
 def test_every_strategy_steps_clean_on_simulated_gpus(tmp_path, layout, world):
     from convit_scale.dryrun.report import DEEPSPEED_WAITS
 
