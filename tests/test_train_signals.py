@@ -65,9 +65,9 @@ def test_a_rank_catches_stop_signals_before_its_imports():
     import ast
     from pathlib import Path
 
-    import convit_scale.train.__main__ as rank_main
+    import convit_scale.train
 
-    tree = ast.parse(Path(rank_main.__file__).read_text())
+    tree = ast.parse((Path(convit_scale.train.__file__).parent / "__main__.py").read_text())
     guard = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
     later = [n for n in tree.body[tree.body.index(guard):] if isinstance(n, ast.ImportFrom)]
     assert ast.unparse(guard.body[0]) == "catch_early()" and {n.module for n in later} >= {"config", "engine"}
