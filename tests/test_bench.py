@@ -25,7 +25,7 @@ class NoFfcv:
 sys.meta_path.insert(0, NoFfcv())
 import convit_scale.bench
 from convit_scale.bench.__main__ import WORKERS
-for kind in ("model", "train", "inference", "distill", "gate"):
+for kind in ("model", "train", "inference", "distill", "gate", "startup"):
     importlib.import_module("convit_scale.bench." + WORKERS[kind])
 for name in ("memory", "universal"):
     importlib.import_module("convit_scale.bench." + name)

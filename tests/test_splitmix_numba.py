@@ -32,29 +32,6 @@ def test_the_crops_draws_end_before_the_flips():
     assert FLIP_DRAW >= 4 * 10
 
 
-def test_the_crop_and_flip_draws_load_from_numbas_cache_in_a_new_process(tmp_path):
-    """Every training process compiles the crop and flip draws at start-up (``sample.compile_draws``): the first
-    process on a machine compiles and caches them, every later one loads them (no compilation, no miss)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    probe = ("import json; import numpy as np; from convit_scale.splitmix_numba import flipped, seeded_crop; "
-             "seeded_crop(np.uint32(2), np.uint32(2), np.array([0.08, 1.0]), np.array([-0.3, 0.3]), np.uint64(0)); "
-             "flipped(np.uint64(0), 0.5); "  # the types sample.crop_box and sample.compile_draws pass
-             "print(json.dumps([sum(f.stats.cache_hits.values()) for f in (seeded_crop, flipped)] "
-             "+ [sum(f.stats.cache_misses.values()) for f in (seeded_crop, flipped)]))")
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # a cold cache, whatever the machine's holds
-
-    def run() -> list:
-        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    assert run() == [0, 0, 1, 1]  # compiled, then written to the cache
-    assert run() == [1, 1, 0, 0]  # loaded
-
-
 def test_without_a_writable_cache_folder_the_draws_compile_in_each_process():
     """A read-only install with no writable home: numba finds no folder to cache in (emulated: no cache locator),
     and the module still imports, its functions compiled in the process, the same draws."""

@@ -1,4 +1,4 @@
-"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal|gate|saves`: the numbers in
+"""`convit-scale bench model|data|memory|distill|mfu|inference|pixels|universal|gate|saves|startup`: the numbers in
 BENCHMARKS.md, measured side by side.
 
 Every benchmark runs its candidates in the same command, on the same inputs, and reports ratios to a
@@ -72,6 +72,10 @@ def _run(args) -> dict:
 
         return bench_saves(out / "saves_work", args.model, args.img_size, int((args.worlds or "2").split(",")[0]),
                            (args.strategies or "ddp,fsdp2,zero2").split(","), args.steps, 2, args.rounds)
+    if args.what == "startup":
+        from .startup import bench_startup
+
+        return bench_startup(out / "startup_work", args.rounds)
     if args.what == "gate":
         from .gate import bench_gate
 

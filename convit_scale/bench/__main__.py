@@ -1,7 +1,7 @@
 """``python -m convit_scale.bench KIND SPEC``: one benchmark candidate, measured in this fresh process.
 
-KIND is model, data, distill, train (``bench mfu``), inference or gate; SPEC is its JSON; the result is the last line
-printed. Only KIND's module is imported (``data`` imports FFCV).
+KIND is model, data, distill, train (``bench mfu``), inference, gate or startup; SPEC is its JSON; the result is the
+last line printed. Only KIND's module is imported (``data`` imports FFCV).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import sys
 
 WORKERS = {"model": "model", "data": "data", "distill": "distill", "train": "mfu", "inference": "inference",
-           "gate": "gate"}
+           "gate": "gate", "startup": "startup"}
 """KIND -> the module of convit_scale.bench whose ``worker`` measures it."""
 
 

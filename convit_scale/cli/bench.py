@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .argtypes import non_negative_int, positive_float, positive_int
 
-KINDS = ("model", "data", "memory", "distill", "mfu", "inference", "pixels", "universal", "gate", "saves")
+KINDS = ("model", "data", "memory", "distill", "mfu", "inference", "pixels", "universal", "gate", "saves", "startup")
 """The benchmarks, one module each in convit_scale/bench/ (imported only when one runs: they import torch)."""
 
 
@@ -16,7 +16,7 @@ def _cmd_bench(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks for BENCHMARKS.md (model, data, memory, distill, mfu, inference, "
-                                     "pixels, universal, gate, saves)",
+                                     "pixels, universal, gate, saves, startup)",
                        description="Measure candidates side by side, each in a fresh process, in interleaved rounds; "
                                    "writes OUT/bench_WHAT.json. `bench data` needs the bench extra "
                                    "(pip install -e '.[bench]').")
@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=positive_int, default=3,
                    help="model, distill, mfu: timed steps per round; saves: the run's steps (a save every 2)")
     p.add_argument("--rounds", type=positive_int, default=2,
-                   help="model, data, distill, saves: interleaved rounds (A B C A B C); the best round is kept")
+                   help="model, data, distill, saves, startup: interleaved rounds (A B C A B C); the best round is "
+                        "kept")
     p.add_argument("--seconds", type=positive_float, default=8.0, help="data: seconds per candidate and round")
     p.add_argument("--stages", action="store_true",
                    help="data: only the loaders' CPU ms per image by format and mode, and its stages (read, decode, "
