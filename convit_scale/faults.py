@@ -10,7 +10,8 @@ OOM, a hang, a lost node), where (rank, node, step, phase), how long it took to 
 - ``end``: after it: one line in the job log and one record in ``run_dir/faults.jsonl`` per fault, from the ranks'
   heartbeats and hang reports (train/watchdog.py) and srun's or torchrun's account of the first task that failed;
   then the action it prints for the launcher: ``restart`` (a new srun step inside the allocation, which is still
-  whole), ``requeue`` (a node of the allocation is down or drained: onto the nodes Slurm still has), or ``stop``.
+  whole), ``requeue`` (a node of the allocation is down or drained: onto the nodes Slurm still has; or the time
+  limit is nearer than its stop signal's lead), or ``stop``.
 
 A restart happens only when the run made progress since the last start: a checkpoint newer than the newest one at
 that start. The same failure at the same step twice therefore ends the job after one retry, with a one-line
@@ -148,6 +149,31 @@ def node_states(nodes: list[str]) -> dict[str, str]:
     return found
 
 
+SIGNAL_LEAD_S = 300
+"""The slurm/ scripts' ``--signal=USR1@300``: Slurm's one pre-timeout signal comes this long before the time limit."""
+
+
+def job_time_left(job: str) -> float | None:
+    """Seconds before the job's time limit (``squeue -o %L``); None without a job, a limit or an answer."""
+    if not job:
+        return None
+    res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True)
+    return parse_time_left(res.stdout.strip()) if res.returncode == 0 else None
+
+
+def parse_time_left(text: str) -> float | None:
+    """Slurm's ``[days-]hours:minutes:seconds``, ``minutes:seconds`` or ``seconds`` in seconds; None for anything
+    else (UNLIMITED, NOT_SET, INVALID, nothing)."""
+    days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = clock.split(":")
+    if not text or not days.isdigit() or len(parts) > 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for p in parts:
+        seconds = 60 * seconds + int(p)
+    return float(int(days) * 86400 + seconds)
+
+
 def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, log: str,
              lost: list[str]) -> dict:
     """The fault of an ended step: kind, rank, node, where, and the ranks that were only waiting."""
@@ -277,9 +303,12 @@ def archive(out: Path, rec: dict, start_no: int) -> None:
 
 
 def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts: int,
-           previous: list[dict] | None = None) -> tuple[str, str]:
+           previous: list[dict] | None = None, time_left: float | None = None) -> tuple[str, str]:
     """(action, why): restart inside the allocation, requeue onto the nodes left, or stop. A storage failure is
-    restarted into at most once per job (``previous``: the job's earlier fault records)."""
+    restarted into at most once per job (``previous``: the job's earlier fault records). With less than
+    ``SIGNAL_LEAD_S`` before the time limit (``time_left``), a restart is a requeue: Slurm's pre-timeout signal was
+    sent before the new step would start, so it would train until the limit killed it, unsaved, and a job ended by
+    its limit is not requeued."""
     now = rec["checkpoint_step"]
     if rec["kind"] == "storage" and any(f.get("kind") == "storage" for f in previous or []):
         return "stop", ("the same storage failure as an earlier start of this job: not restarting into it again "
@@ -292,6 +321,9 @@ def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts:
         return "stop", f"already restarted {restarts} times in this allocation (MAX_RESTARTS={max_restarts})"
     if lost:
         return "requeue", f"node(s) {', '.join(lost)} {'is' if len(lost) == 1 else 'are'} out of the allocation"
+    if time_left is not None and time_left < SIGNAL_LEAD_S:
+        return "requeue", (f"{time_left:.0f} s left before the time limit, under the {SIGNAL_LEAD_S} s of its "
+                           f"stop signal, already sent: resuming from checkpoint step {now} in a new allocation")
     return "restart", f"resuming from checkpoint step {now} in the same allocation"
 
 
@@ -317,7 +349,7 @@ def end(out: Path, rc: int, log: str, nodes: list[str], max_restarts: int) -> st
                checkpoint_step=newest_checkpoint_step(out), checkpoint_step_at_start=begun["checkpoint_step"])
     restarts = sum(1 for s in starts if s.get("job") == begun["job"] and s.get("restart") == begun["restart"]) - 1
     previous = [f for f in _lines(out / FAULTS) if f.get("job") == begun["job"] and f.get("kind") in KINDS]
-    action, why = decide(rec, begun, lost, restarts, max_restarts, previous)
+    action, why = decide(rec, begun, lost, restarts, max_restarts, previous, job_time_left(begun["job"]))
     rec.update(action=action, reason=why)
     _append(out / FAULTS, rec)
     _close_start(out, f"fault: {rec['kind']}")

@@ -295,8 +295,8 @@ while :; do
         restart)
             attempt=$((attempt + 1))
             echo "== restart $attempt of at most $MAX_RESTARTS in this allocation: a new srun step from the newest checkpoint" ;;
-        requeue)
-            requeue_job "lost a node" "a node of the allocation is down or drained" ;;
+        requeue)  # a node of the allocation is down or drained, or the time limit is too close (the line above)
+            requeue_job "needs a new allocation" "the next start needs a new allocation" ;;
         *)
             echo "== training exited with status $rc"
             exit $rc ;;

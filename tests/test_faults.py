@@ -91,6 +91,20 @@ def test_a_restart_needs_a_newer_checkpoint_so_the_same_failure_twice_ends_the_j
     assert [r["action"] for r in recs] == ["stop", "restart", "stop"] and recs[1]["steps_redone"] == 0
 
 
+def test_a_restart_too_near_the_time_limit_is_a_requeue():
+    """Under the scripts' signal lead before the time limit, the pre-timeout signal was already sent: a new step in
+    the allocation would train unsaved until the limit kills it (and a job its limit ends is not requeued), so the
+    job requeues instead. Slurm's time left is read as squeue prints it."""
+    rec, begun = {"kind": "crash", "checkpoint_step": 40}, {"checkpoint_step": 20}
+    assert faults.decide(rec, begun, [], 0, 10, [], time_left=None)[0] == "restart"  # no limit, or no answer
+    assert faults.decide(rec, begun, [], 0, 10, [], time_left=faults.SIGNAL_LEAD_S + 1)[0] == "restart"
+    action, why = faults.decide(rec, begun, [], 0, 10, [], time_left=120)
+    assert action == "requeue" and why.startswith("120 s left before the time limit") and "step 40" in why
+    assert faults.decide(rec, {"checkpoint_step": 40}, [], 0, 10, [], time_left=120)[0] == "stop"  # no progress
+    assert [faults.parse_time_left(t) for t in ("4:05", "1:00:00", "2-03:04:05", "59", "UNLIMITED", "NOT_SET",
+                                                "", "INVALID")] == [245, 3600, 183845, 59, None, None, None, None]
+
+
 def test_a_start_that_ended_unseen_is_recorded_as_a_lost_node(tmp_path, capsys):
     out = _run(tmp_path, 3)
     faults.start(out, "7", 0, ["n1", "n2"])

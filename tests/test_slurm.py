@@ -279,7 +279,8 @@ def test_a_lost_node_requeues_the_job_onto_the_nodes_left(slurm, fm_tree, tmp_pa
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, text[-4000:])
     (rec,) = _lines(out / "faults.jsonl")
     assert (rec["kind"], rec["rank"], rec["node"], rec["action"]) == ("node_lost", lost["rank"], "n2", "requeue")
-    assert f"fault: node lost of rank {lost['rank']} on n2" in text and "a node of the allocation is down" in text
+    assert f"fault: node lost of rank {lost['rank']} on n2" in text and "node(s) n2 is out of the allocation" in text
+    assert "the next start needs a new allocation; requeueing job" in text
     assert f"resumed step {rec['checkpoint_step']} from 2 rank(s) on 1" in text
     assert rec["back_s"] > 0 and rec["first_new_step"] == rec["checkpoint_step"] + 1
     assert [r["step"] for r in records(out)] == list(range(1, 17))

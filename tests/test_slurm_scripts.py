@@ -7,7 +7,7 @@ import re
 
 from support import REPO
 
-from convit_scale import runfolder
+from convit_scale import faults, runfolder
 from convit_scale.config import recipe_path
 from convit_scale.slurm_scripts import job_scripts, read_script
 
@@ -54,6 +54,8 @@ def test_the_shipped_job_scripts_run_shipped_recipes():
     for s in scripts:
         assert recipe_path(s.recipe).is_file(), s.path
         assert s.nodes >= 1 and s.gpus_per_node == s.tasks_per_node, s.path
+        # the pre-timeout signal's lead, which the launcher's restart rule knows (faults.SIGNAL_LEAD_S)
+        assert s.options["signal"] == f"USR1@{faults.SIGNAL_LEAD_S}" and "requeue" in s.options, s.path
 
 
 SHELL_PROTOCOL = {"launch.sh": {"EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_REQUEUE", "CHECKPOINTS", "HANGS",
