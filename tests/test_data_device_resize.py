@@ -111,6 +111,24 @@ def test_resize_list_takes_crop_views_in_either_layout(images):
     hwc = [torch.from_numpy(c) for c in crops]
     assert torch.equal(resize_list(hwc, SIZE, layout="HWC"), want)
     assert torch.equal(resize_list([views[0], hwc[1], views[2], hwc[3]], SIZE), want)
+    planes = [v.contiguous().permute(1, 2, 0) for v in views]  # HWC views of CHW memory: a pixel step of 1
+    assert torch.equal(resize_list(planes, SIZE, layout="HWC"), want)
+    # beside interleaved HWC images, which are copied into planes first
+    assert torch.equal(resize_list([planes[0], hwc[1], planes[2], hwc[3]], SIZE, layout="HWC"), want)
+
+
+def test_a_crop_of_a_chw_image_is_packed_plane_by_plane(monkeypatch):
+    """The buffer a batch is resized from holds each CHW crop's three plane spans (3 x ((h - 1) x W + w) bytes), not
+    the span across its planes, which is most of the whole decoded image (2 x H x W more)."""
+    packed, real = [], device_resize._resize_rows
+    monkeypatch.setattr(device_resize, "_resize_rows",
+                        lambda rows, *a: packed.append(rows.flat.numel()) or real(rows, *a))
+    img = torch.randint(0, 256, (3, 400, 300), dtype=torch.uint8)
+    crop = img[:, 100:120, 50:90]  # h = 20, w = 40 of W = 300
+    out = resize_list([crop], SIZE)
+    plane = (20 - 1) * 300 + 40
+    assert packed == [3 * plane + (40 - 1)]  # the planes, then a row's padding
+    assert torch.equal(out, resize_list([crop.contiguous()], SIZE))
 
 
 def test_bad_input_is_refused_with_a_clear_error(images):

@@ -315,8 +315,9 @@ def resize_list(images: list[torch.Tensor], size: int, flips: torch.Tensor | Non
     them) or HWC (``layout``: auto, CHW or HWC), views such as crops of decoded images included.
 
     No per-image kernel where the images share a pixel step (all CHW planes, or all HWC rows): each image's bytes
-    (the memory span its view covers) are copied by one ``torch.cat`` into one buffer, and the boxes read from there
-    by offsets and strides. An image of the other step is first made contiguous (a copy of its own)."""
+    (the memory span its view covers: each plane's, for CHW) are copied by one ``torch.cat`` into one buffer, and
+    the boxes read from there by offsets and strides. An image of the other step is first made contiguous (a copy
+    of its own)."""
     _check_size(size)
     if layout not in ("auto", "CHW", "HWC"):
         raise ValueError(f"layout={layout!r}: allowed: auto, CHW, HWC")
@@ -335,15 +336,21 @@ def resize_list(images: list[torch.Tensor], size: int, flips: torch.Tensor | Non
                 else images[i].permute(2, 0, 1)
             images[i] = chw.contiguous() if step == 1 else chw.permute(1, 2, 0).contiguous().permute(2, 0, 1)
             geo[i] = _chw_strides(images[i], "CHW")
-    extents = [1 + sum((d - 1) * s for d, s in zip(img.shape, img.stride())) for img in images]
-    spans = [img.as_strided((e,), (1,), img.storage_offset()) for img, e in zip(images, extents)]
     hs = np.array([g[0] for g in geo], np.int64)
     ws = np.array([g[1] for g in geo], np.int64)
+    if step == 1:  # planes: each plane's span alone (a crop's span across its planes is most of its whole image)
+        plane = [1 + (g[0] - 1) * g[3] + (g[1] - 1) for g in geo]
+        spans = [img.as_strided((e,), (1,), img.storage_offset() + c * g[2])
+                 for img, g, e in zip(images, geo, plane) for c in range(3)]
+        extents, pitch_c = [3 * e for e in plane], np.array(plane, np.int64)
+    else:
+        extents = [1 + sum((d - 1) * s for d, s in zip(img.shape, img.stride())) for img in images]
+        spans = [img.as_strided((e,), (1,), img.storage_offset()) for img, e in zip(images, extents)]
+        pitch_c = np.array([g[2] for g in geo], np.int64)
     tail = int((ws.max() - 1) * step)
     flat = torch.cat(spans + ([spans[0].new_zeros(tail)] if tail else []))
     base = np.concatenate([[0], np.cumsum(extents)[:-1]]).astype(np.int64)
-    rows = _Rows(flat, step, hs, ws, base, np.array([g[2] for g in geo], np.int64),
-                 np.array([g[3] for g in geo], np.int64))
+    rows = _Rows(flat, step, hs, ws, base, pitch_c, np.array([g[3] for g in geo], np.int64))
     return _resize_rows(rows, size, flips, out_dtype, chunk_bytes)
 
 
