@@ -151,6 +151,10 @@ def node_states(nodes: list[str]) -> dict[str, str]:
 
 SIGNAL_LEAD_S = 300
 """The slurm/ scripts' ``--signal=USR1@300``: Slurm's one pre-timeout signal comes this long before the time limit."""
+RESTART_MIN_TIME_LEFT_S = SIGNAL_LEAD_S + 60 + 120
+"""A restart inside the allocation needs this long before the time limit: the signal's lead, the up to 60 s earlier
+that Slurm may send it (sbatch's ``--signal``), and a start to its first step (imports, rendezvous, the checkpoint's
+load). With less, a new step would not see the signal: it would train unsaved until the limit killed it."""
 
 
 def job_time_left(job: str) -> float | None:
@@ -162,8 +166,11 @@ def job_time_left(job: str) -> float | None:
 
 
 def parse_time_left(text: str) -> float | None:
-    """Slurm's ``[days-]hours:minutes:seconds``, ``minutes:seconds`` or ``seconds`` in seconds; None for anything
-    else (UNLIMITED, NOT_SET, INVALID, nothing)."""
+    """Slurm's ``[days-]hours:minutes:seconds``, ``minutes:seconds`` or ``seconds`` in seconds; 0 for INVALID (what
+    squeue prints past the limit, in the cluster's OverTimeLimit); None for anything else (UNLIMITED, NOT_SET,
+    nothing)."""
+    if text == "INVALID":
+        return 0.0
     days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
     parts = clock.split(":")
     if not text or not days.isdigit() or len(parts) > 3 or not all(p.isdigit() for p in parts):
@@ -306,9 +313,9 @@ def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts:
            previous: list[dict] | None = None, time_left: float | None = None) -> tuple[str, str]:
     """(action, why): restart inside the allocation, requeue onto the nodes left, or stop. A storage failure is
     restarted into at most once per job (``previous``: the job's earlier fault records). With less than
-    ``SIGNAL_LEAD_S`` before the time limit (``time_left``), a restart is a requeue: Slurm's pre-timeout signal was
-    sent before the new step would start, so it would train until the limit killed it, unsaved, and a job ended by
-    its limit is not requeued."""
+    ``RESTART_MIN_TIME_LEFT_S`` before the time limit (``time_left``), a restart is a requeue: Slurm's pre-timeout
+    signal is sent, or will be before the new step trains, which would then train until the limit killed it,
+    unsaved; and a job ended by its limit is not requeued."""
     now = rec["checkpoint_step"]
     if rec["kind"] == "storage" and any(f.get("kind") == "storage" for f in previous or []):
         return "stop", ("the same storage failure as an earlier start of this job: not restarting into it again "
@@ -321,9 +328,10 @@ def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts:
         return "stop", f"already restarted {restarts} times in this allocation (MAX_RESTARTS={max_restarts})"
     if lost:
         return "requeue", f"node(s) {', '.join(lost)} {'is' if len(lost) == 1 else 'are'} out of the allocation"
-    if time_left is not None and time_left < SIGNAL_LEAD_S:
-        return "requeue", (f"{time_left:.0f} s left before the time limit, under the {SIGNAL_LEAD_S} s of its "
-                           f"stop signal, already sent: resuming from checkpoint step {now} in a new allocation")
+    if time_left is not None and time_left < RESTART_MIN_TIME_LEFT_S:
+        return "requeue", (f"{time_left:.0f} s left before the time limit: too little for a new step to start and "
+                           f"still see its {SIGNAL_LEAD_S} s stop signal; resuming from checkpoint step {now} in a "
+                           f"new allocation")
     return "restart", f"resuming from checkpoint step {now} in the same allocation"
 
 

@@ -290,7 +290,7 @@ while :; do
     # made progress since this start; never a second restart into a storage failure. The statuses and the run
     # folder's files are convit_scale/runfolder.py's.
     action=$(faults end --out "$OUT" --rc "$rc" --log "$STEP_LOG" --nodes "$JOB_NODES" \
-        --max-restarts "$MAX_RESTARTS") || action=stop
+        --max-restarts "$MAX_RESTARTS") || { action=stop; faults close --out "$OUT" --outcome "exit $rc"; }
     case $action in
         restart)
             attempt=$((attempt + 1))
