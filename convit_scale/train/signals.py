@@ -42,10 +42,11 @@ class StopSignal:
         self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
 
     def restore(self) -> None:
-        """Put back the handlers that were there before (a library caller keeps its own); after training, a rank's
-        stop signals end it again (the default), as a launcher ending it expects."""
+        """Put back the handlers that were there before (a library caller keeps its own). In a rank, SIGUSR1 stays
+        recorded, not fatal, until it exits: Slurm's pre-timeout signal as a run ends must not turn its exit 0 into a
+        death by a signal; SIGTERM ends it (the default), as a launcher ending it expects."""
         for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is _record_early else handler)
+            signal.signal(s, handler)
 
     def _handler(self, signum, frame):
         self.signum = signum
