@@ -29,10 +29,11 @@ def environment_tag() -> str:
 
 def use_own_torch_extensions_dir() -> str:
     """``TORCH_EXTENSIONS_DIR``, where DeepSpeed's JIT-built ops (its CPU Adam) go: unless set, torch's default
-    folder of this Python and accelerator (``~/.cache/torch_extensions/py311_cpu``) with this environment's tag,
-    set for this process and its children."""
+    folder of this Python and accelerator (``~/.cache/torch_extensions/py311_cpu``) with the torch release and this
+    environment's tag, set for this process and its children."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-{environment_tag()}"
+        release = torch.__version__.replace("+", "_")
+        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-torch{release}-{environment_tag()}"
         os.environ["TORCH_EXTENSIONS_DIR"] = str(cache_root().resolve() / "torch_extensions" / folder)
     return os.environ["TORCH_EXTENSIONS_DIR"]

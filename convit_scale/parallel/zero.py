@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
+from ..extensions import use_own_torch_extensions_dir
 from .base import Strategy
 from .universal import UNIVERSAL, conversion_wait_s, is_converted, scratch_dir, universal_checkpoint, universal_problem
 from .zero_config import deepspeed_config
@@ -42,6 +43,7 @@ class ZeroStrategy(Strategy):
     def setup(self, optimizer_fn, micro_batch: int, grad_accum: int) -> None:
         import deepspeed
 
+        use_own_torch_extensions_dir()  # every op DeepSpeed builds on first use (its CPU Adam among them)
         if self.p.activation_checkpointing:
             self.module.set_grad_checkpointing(True)
         num_params = sum(p.numel() for p in self.module.parameters())
