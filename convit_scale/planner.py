@@ -31,7 +31,7 @@ all-gather the updated parameters after the optimizer step; ZeRO-3 all-gathers p
 it reuses within ``stage3_max_reuse_distance`` elements for backward) and reduce-scatters gradients every
 micro-batch. Every layout adds the engine's one packed all-reduce per step (``STEP_REDUCTION_BYTES``: the loss,
 non-finite flags, squared gradient norm, replaced samples and the flags every rank acts on alike: stop, save, log,
-failed save; ``train/step.py``), after backward.
+failed save, broken decoder; ``train/step.py``), after backward.
 Collective model (NCCL's ring): a collective of B bytes over r ranks sends (and receives) B(r-1)/r per rank for an
 all-gather or reduce-scatter, 2B(r-1)/r for an all-reduce, B for a broadcast. Across k nodes of q ranks a ring enters
 and leaves each node once per channel, and the node's q NICs carry its channels: 1/q of a rank's bytes cross nodes,
@@ -309,8 +309,8 @@ def zero_comm_bytes(p: ParallelConfig, params: int, device: str) -> int:
     return dtype_bytes(str(ds.get("communication_data_type") or p.precision).lower())
 
 
-STEP_REDUCTION_BYTES = 8 * 8
-"""The engine's packed all-reduce of a step: eight float64 values (``train/step.py``'s ``StepTotals``)."""
+STEP_REDUCTION_BYTES = 9 * 8
+"""The engine's packed all-reduce of a step: nine float64 values (``train/step.py``'s ``StepTotals``)."""
 
 
 def step_collectives(p: ParallelConfig, facts: ModelFacts, nodes: int, gpus_per_node: int, accum: int,

@@ -280,8 +280,10 @@ def test_a_failure_of_the_decoders_own_allocation_is_tried_once_more(jpegs, monk
 
 def test_a_decoder_that_refuses_a_whole_batch_pil_decodes_is_raised(jpegs, monkeypatch):
     """Every JPEG of a batch of 8 refused (a file's status, 3) while PIL decodes them all: the decoder's fault (a
-    broken installation), raised with what to set, not a run at PIL's pace on the training thread; 7 are taken as
-    refused files."""
+    broken installation), a DataError with what to set, not a run at PIL's pace on the training thread; or, for the
+    training step (``broken``), reported with the batch PIL decoded. 7 are taken as refused files."""
+    from convit_scale.data import DataError
+
     def refusing(data, device):
         raise RuntimeError("Failed to decode batch: 3")
 
@@ -289,8 +291,11 @@ def test_a_decoder_that_refuses_a_whole_batch_pil_decodes_is_raised(jpegs, monke
     one = _tensor(jpegs["4:2:0"])
     res = decode_crop_resize([one] * 7, torch.tensor([(0, 0, 9, 9)] * 7), SIZE, None, "cpu")
     assert res.refused == 7 and res.failed == {}
-    with pytest.raises(RuntimeError, match=r"refused all 8 JPEGs of a batch that PIL decodes.*data.decode_on=cpu"):
+    with pytest.raises(DataError, match=r"refused all 8 JPEGs of a batch that PIL decodes.*data.decode_on=cpu"):
         decode_crop_resize([one] * 8, torch.tensor([(0, 0, 9, 9)] * 8), SIZE, None, "cpu")
+    broken = []
+    res = decode_crop_resize([one] * 8, torch.tensor([(0, 0, 9, 9)] * 8), SIZE, None, "cpu", broken=broken)
+    assert res.refused == 8 and len(broken) == 1 and "refused all 8 JPEGs" in broken[0]
 
 
 def test_cmyk_jpegs_are_decoded_on_the_host_not_offered_to_the_device(jpegs):

@@ -194,6 +194,25 @@ def test_training_with_the_work_on_the_device_resumes_bit_identically(fmt, key, 
     assert len(losses(tmp_path / "a")) == 4 and losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
+def test_a_decoder_that_refuses_whole_batches_ends_the_run_as_bad_input(fm_wds, tmp_path, capsys, monkeypatch):
+    """Training with decode_on device whose decoder refuses every JPEG (a broken nvJPEG installation, emulated: a
+    file's status for each): the first step's packed reduction tells every rank, which raise it as a DataError (exit
+    2: no restart repeats it), naming what to set; no rank ends alone."""
+    from convit_scale.data import device_images, device_resize
+
+    def refusing(data, device):
+        raise RuntimeError("Failed to decode batch: 3")
+
+    monkeypatch.setattr(device_resize, "_decode", refusing)
+    recipe = tiny_recipe(tmp_path / "r.yaml", "wds", fm_wds, tmp_path / "run", schedule={"max_steps": 3},
+                         data={"decode_on": "device", "num_workers": 0, "repeated_aug": 1},
+                         parallel={"strategy": "none", "precision": "fp32"})
+    assert train_here(recipe) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"step 1: the device's decoder \(cpu\) refused all \d+ JPEGs .*set data.decode_on=cpu", err), err
+    assert device_images.BROKEN == [] and not losses(tmp_path / "run")
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_imagefolder_and_ffcv_give_a_view_the_same_pixels(on_device, fm_tree, fm_ffcv):
     """The sample contract (data/sample.py): the same views at the same positions, each with the same crop box and

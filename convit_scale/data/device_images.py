@@ -67,6 +67,9 @@ class StepImages:
 
 REFUSED = [0]
 """JPEGs the device's decoder refused that PIL decoded on the host, in this process (the training log counts them)."""
+BROKEN: list[str] = []
+"""Why the device's decoder refused a whole batch (``device_resize.REFUSED_ALL_AT``), in this process: the training
+step raises it on every rank alike (``StepTotals.decoder_broken``)."""
 
 
 def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch.Tensor, dict]:
@@ -95,14 +98,14 @@ def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips:
     stream it would stay reserved beside them."""
     flips = flips.to(device, non_blocking=True)
     if device.type != "cuda":
-        return decode_crop_resize(payloads, boxes, size, flips, device, pixels)
+        return decode_crop_resize(payloads, boxes, size, flips, device, pixels, BROKEN)
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     stream = _STREAMS[device]
     current = torch.cuda.current_stream(device)
     stream.synchronize()  # the previous batch's decode: no block of this stream's pool is still written
     with torch.cuda.stream(stream):
-        crops, refused, failed = decode_crops(payloads, boxes, device, pixels)
+        crops, refused, failed = decode_crops(payloads, boxes, device, pixels, BROKEN)
     current.wait_stream(stream)
     for crop in crops:  # their blocks go back to the decode's pool only once the training stream has read them
         crop.record_stream(current)

@@ -41,7 +41,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from .device_augment import to_device
-from .faults import DECODE_ERRORS, pil_rgb, reason_of
+from .faults import DECODE_ERRORS, DataError, pil_rgb, reason_of
 
 CHUNK_BYTES = 2 << 30
 """Working memory of one chunk of a batch (float32 padded boxes, weights, the passes' outputs): see the docstring."""
@@ -483,7 +483,7 @@ def _retried_decode(data: list[torch.Tensor], device: torch.device) -> list[torc
 
 REFUSED_ALL_AT = 8
 """A batch of at least this many JPEGs that the device's decoder refused, every one, while PIL decoded them all: the
-decoder's fault, not the files' (``decode_crops`` raises it instead of training on at PIL's pace)."""
+decoder's fault, not the files' (``decode_crops`` reports it instead of training on at PIL's pace)."""
 
 
 def _check_box(i: int, box: tuple, ih: int, iw: int) -> None:
@@ -533,17 +533,18 @@ def _host_crops(encoded: list[torch.Tensor], boxes: list, idx: list[int], pixels
 
 def decode_crop_resize(encoded: list[torch.Tensor], boxes: torch.Tensor, size: int,
                        flips: torch.Tensor | None, device: torch.device | str,
-                       pixels: dict[int, np.ndarray] | None = None) -> Decoded:
+                       pixels: dict[int, np.ndarray] | None = None, broken: list[str] | None = None) -> Decoded:
     """Decode a batch of JPEGs on ``device``, crop each to its box and resize the boxes to ``size`` (PIL's bicubic,
     ``resize_list``), flipped where ``flips``: ``decode_crops``, then one ``resize_list`` of every box.
 
     encoded: 1-D uint8 CPU tensors, a JPEG's bytes each. boxes: int64 (B, 4) rows (top, left, height, width) in
     the full image's pixels. pixels: {index: (H, W, 3) uint8 host image} of views the loader decoded (not JPEGs;
-    their ``encoded`` entries are not read). An out-of-memory error propagates."""
+    their ``encoded`` entries are not read). broken: as ``decode_crops`` takes it. An out-of-memory error
+    propagates."""
     device = torch.device(device)
     _check_size(size)
     _check_flips(flips, len(encoded))
-    return resized(*decode_crops(encoded, boxes, device, pixels), size, flips, device)
+    return resized(*decode_crops(encoded, boxes, device, pixels, broken), size, flips, device)
 
 
 def resized(crops: list[torch.Tensor], refused: int, failed: dict[int, str], size: int, flips: torch.Tensor | None,
@@ -556,13 +557,15 @@ def resized(crops: list[torch.Tensor], refused: int, failed: dict[int, str], siz
 
 
 def decode_crops(encoded: list[torch.Tensor], boxes: torch.Tensor, device: torch.device,
-                 pixels: dict[int, np.ndarray] | None = None) -> tuple[list[torch.Tensor], int, dict[int, str]]:
+                 pixels: dict[int, np.ndarray] | None = None,
+                 broken: list[str] | None = None) -> tuple[list[torch.Tensor], int, dict[int, str]]:
     """The boxes of a batch of JPEGs on ``device``, uint8 (3, h, w) views (``decode_crop_resize``'s arguments),
     the count PIL decoded on the host (``Decoded.refused``) and the failed ones (``Decoded.failed``). The JPEGs that
     pass ``device_decodable`` are decoded by one ``torchvision.io.decode_jpeg(list, device=device)`` call
     (``_decode_accepted``: halved where the decoder fails the call); the others, and those it refused, by PIL on
     the host, their boxes moved with the loader-decoded ones in one copy; bytes PIL cannot read either stand in as
-    one black pixel."""
+    one black pixel. A decoder that refused the whole batch (``REFUSED_ALL_AT``) raises :class:`DataError`, or, with
+    ``broken``, is appended to it (the training step raises it on every rank alike) and the batch is PIL's."""
     pixels = pixels or {}
     if not isinstance(boxes, torch.Tensor) or tuple(boxes.shape) != (len(encoded), 4):
         raise ValueError(f"boxes must be an int tensor of shape ({len(encoded)}, 4), rows (top, left, height, "
@@ -580,9 +583,12 @@ def decode_crops(encoded: list[torch.Tensor], boxes: torch.Tensor, device: torch
     host, decoded = _host_crops(encoded, box_list, [i for i in range(len(encoded)) if i not in on_device], pixels,
                                 failed)
     if len(accepted) >= REFUSED_ALL_AT and len(refused) == len(accepted) and not failed.keys() & set(refused):
-        raise RuntimeError(f"the device's decoder ({device}) refused all {len(refused)} JPEGs of a batch that PIL "
-                           f"decodes: a fault of the decoder or of its installation (torchvision's nvJPEG), not of "
-                           f"the files; set data.decode_on=cpu to decode them on the host")
+        why = (f"the device's decoder ({device}) refused all {len(refused)} JPEGs of a batch that PIL decodes: a "
+               f"fault of the decoder or of its installation (torchvision's nvJPEG), not of the files; set "
+               f"data.decode_on=cpu to decode them on the host")
+        if broken is None:
+            raise DataError(why)
+        broken.append(why)
     crops = _to_device(host, device, rows=any(img.stride(2) == 3 for img in on_device.values()))
     for i, img in on_device.items():
         _check_box(i, box_list[i], img.shape[1], img.shape[2])

@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..data import Batch, DataError
 from ..data.device_augment import augment_batch, to_device
-from ..data.device_images import StepImages
+from ..data.device_images import BROKEN, StepImages
 from ..data.geometry import MicroPart
 from ..data.order import step_seed
 from ..data.transforms import seed_all
@@ -51,6 +51,9 @@ class StepTotals(NamedTuple):
     save_failed: float
     """Ranks whose checkpoint written beside training ended with an error: every rank then settles it and saves again
     after this step, instead of training on without a checkpoint until the next save."""
+    decoder_broken: float
+    """Ranks whose device decoder refused a whole batch that PIL decodes (``device_images.BROKEN``): every rank then
+    raises it, a ``DataError`` (no restart repeats it), instead of one rank ending alone as a crash."""
 
 
 class StepStats:
@@ -133,8 +136,13 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats.add("save_due", float(ctx.is_main and state.meters.save_due(run.every_minutes)))
     stats.add("log_due", float(ctx.is_main and state.meters.log_due(cfg.log.every_seconds)))
     stats.add("save_failed", float(save_failed()))
+    stats.add("decoder_broken", float(bool(BROKEN)))
     watch.mark(REDUCE)
     totals = stats.reduce()
+    if totals.decoder_broken:
+        why = next(m for ms in comm.all_gather_object(BROKEN[:1]) for m in ms)
+        BROKEN.clear()
+        raise DataError(f"step {state.step + 1}: {why}")
     if totals.bad_samples:
         bad_samples = [{**r, "rank": rank} for rank, rs in enumerate(comm.all_gather_object(bad_samples)) for r in rs]
         _limit_device_bad(run, state, bad_samples)
