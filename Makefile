@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml convit_scale/_jpeg_roi.c | $(PY)
 	touch $(STAMP)
 
 # DeepSpeed's CPU Adam (the optimizer of ZeRO offload) is a C++ extension that DeepSpeed compiles on first use into
-# torch's extension cache (~/.cache/torch_extensions/py311_cpu-torch<release>-<environment>: extensions.py; up to date: a
+# torch's extension cache (~/.cache/torch_extensions/py311_cpu-torch<release>-<environment>-cpu<kind>: extensions.py; up to date: a
 # few seconds). Compiled here, alone, it takes about
 # 90 s on 2 cores; compiled by the first offload test, about 4.5 min, competing with the tests of the other worker.
 cpu-adam: setup

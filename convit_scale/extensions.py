@@ -4,13 +4,14 @@ A build file of ``torch.utils.cpp_extension`` names the include paths of the env
 its DeepSpeed, its Python). Two environments that share a home (two checkouts, a cluster's virtual environments)
 and one cache folder rebuild each other's extension whenever the other ran last: about a minute of C++ at the start
 of a job, with every rank of the node waiting on the build's lock. Keyed by the environment (``sys.prefix``), each
-keeps its own build.
+keeps its own build (DeepSpeed's, per kind of CPU too: it compiles for the CPU it builds on).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -27,13 +28,27 @@ def environment_tag() -> str:
     return hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
 
 
+def cpu_tag(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """A short name of this kind of CPU: a digest of its instruction-set flags (Linux), else the machine's type.
+    DeepSpeed compiles its CPU ops with ``-march=native``: a build from a login node's newer CPU stops a compute
+    node's older one with an illegal instruction."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(" ".join(sorted(flags.split(":", 1)[-1].split())).encode()).hexdigest()[:6] if flags \
+        else platform.machine()
+
+
 def use_own_torch_extensions_dir() -> str:
     """``TORCH_EXTENSIONS_DIR``, where DeepSpeed's JIT-built ops (its CPU Adam) go: unless set, torch's default
-    folder of this Python and accelerator (``~/.cache/torch_extensions/py311_cpu``) with the torch release and this
-    environment's tag, set for this process and its children."""
+    folder of this Python and accelerator (``~/.cache/torch_extensions/py311_cpu``) with the torch release, this
+    environment's tag and the CPU's (``cpu_tag``), set for this process and its children."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
         release = torch.__version__.replace("+", "_")
-        folder = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-torch{release}-{environment_tag()}"
+        folder = (f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}-torch{release}-"
+                  f"{environment_tag()}-cpu{cpu_tag()}")
         os.environ["TORCH_EXTENSIONS_DIR"] = str(cache_root().resolve() / "torch_extensions" / folder)
     return os.environ["TORCH_EXTENSIONS_DIR"]

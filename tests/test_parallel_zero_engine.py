@@ -68,9 +68,23 @@ def test_compiled_extensions_are_cached_per_environment(monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     own = extensions.use_own_torch_extensions_dir()
     tag = extensions.environment_tag()
-    assert own.endswith(f"-{tag}") and Path(_get_build_directory("cpu_adam", False)) == Path(own) / "cpu_adam"
+    assert own.endswith(f"-{tag}-cpu{extensions.cpu_tag()}") and f"torch{torch.__version__.replace('+', '_')}" in own
+    assert Path(_get_build_directory("cpu_adam", False)) == Path(own) / "cpu_adam"
     assert cache_dir().name.endswith(f"-{tag}")
     monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
     assert extensions.environment_tag() != tag and not cache_dir().name.endswith(f"-{tag}")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/site/extensions")
     assert extensions.use_own_torch_extensions_dir() == "/site/extensions"
+
+
+def test_deepspeeds_cpu_builds_are_kept_per_kind_of_cpu(tmp_path):
+    """DeepSpeed builds its CPU ops with -march=native: a login node's build must not be loaded by another CPU."""
+    from convit_scale import extensions
+
+    older, newer, same = (tmp_path / n for n in ("older", "newer", "same"))
+    older.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    newer.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    same.write_text("processor\t: 0\nflags\t\t: avx2 sse2 fpu\nprocessor\t: 1\nflags\t\t: avx2 sse2 fpu\n")
+    assert extensions.cpu_tag(str(older)) != extensions.cpu_tag(str(newer))
+    assert extensions.cpu_tag(str(older)) == extensions.cpu_tag(str(same))
+    assert extensions.cpu_tag(str(tmp_path / "none")) == extensions.platform.machine()
