@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .files import write_atomic
 from .runfolder import (
+    EXIT_BAD_INPUT,
     EXIT_STORAGE,
     FAULTS,
     HANGS,
@@ -54,7 +55,7 @@ def progress_key(step: int, phase: str) -> tuple[int, int]:
         return step + 1, STEP_PHASES.index(phase)
     return step, len(STEP_PHASES)
 SIGNALS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
-KINDS = ("crash", "oom", "hang", "node_lost", "storage")
+KINDS = ("crash", "oom", "hang", "node_lost", "storage", "refused")
 """The faults the launcher records (``faults.jsonl`` also holds the ranks' records of damaged checkpoints)."""
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER")
 """Slurm node states (any part of the state) that take a node out of the allocation's next step."""
@@ -211,6 +212,9 @@ def classify(rc: int, beats: list[dict], hangs: list[dict], task: dict | None, l
     storage = storage_fault(rc, beats, task, log)
     if storage is not None:
         return storage
+    refused = refused_fault(rc, beats, task)
+    if refused is not None:
+        return refused
     oom = [b for b in failed if re.search(r"OutOfMemoryError|MemoryError", b["state"])]
     if oom or re.search(r"oom[_-]kill|Out Of Memory", log):
         b = oom[0] if oom else by_rank.get((task or {}).get("rank"), {})
@@ -237,10 +241,24 @@ def storage_fault(rc: int, beats: list[dict], task: dict | None, log: str) -> di
             "step": b.get("step"), "phase": b.get("phase"), "exit_status": rc, "how": how}
 
 
+def refused_fault(rc: int, beats: list[dict], task: dict | None) -> dict | None:
+    """A rank that refused the run's data or settings during training (a ``DataError``: too many unreadable samples,
+    a decoder that refuses whole batches; it exits with ``EXIT_BAD_INPUT``), seen by the launcher as the first
+    task's exit status or the rank's last heartbeat: the launcher ends the other ranks, so the step's own status is
+    a signal's (srun) or 1 (torchrun)."""
+    failed = [b for b in beats if re.match(r"failed: (DataError|ConfigError): ", str(b.get("state", "")))]
+    if not (failed or (task or {}).get("exit_status") == EXIT_BAD_INPUT):
+        return None
+    b = failed[0] if failed else {}
+    return {"kind": "refused", "rank": b.get("rank", (task or {}).get("rank")), "node": b.get("node"),
+            "step": b.get("step"), "phase": b.get("phase"), "exit_status": rc,
+            "how": b.get("state", "")[len("failed: "):] or None}
+
+
 def describe(rec: dict) -> str:
     """The job log's one line for a fault."""
     kind = {"crash": "crash", "oom": "out of memory", "hang": "hang", "node_lost": "node lost",
-            "storage": "storage failure"}[rec["kind"]]
+            "storage": "storage failure", "refused": "input refused"}[rec["kind"]]
     if rec["kind"] == "crash":
         kind += f" (signal {rec['signal']})" if rec.get("signal") else f" (exit status {rec.get('exit_status')})"
     at = where(rec["step"], rec["phase"]) if rec.get("step") is not None and rec.get("phase") else "an unknown step"
@@ -317,6 +335,9 @@ def decide(rec: dict, begun: dict, lost: list[str], restarts: int, max_restarts:
     signal is sent, or will be before the new step trains, which would then train until the limit killed it,
     unsaved; and a job ended by its limit is not requeued."""
     now = rec["checkpoint_step"]
+    if rec["kind"] == "refused":
+        return "stop", ("the run refused its data or settings (the rank's error above): a restart would refuse them "
+                        "again; fix them, then resubmit to resume")
     if rec["kind"] == "storage" and any(f.get("kind") == "storage" for f in previous or []):
         return "stop", ("the same storage failure as an earlier start of this job: not restarting into it again "
                         "(free space, raise the quota or fix the folder's permissions, then resubmit to resume)")

@@ -67,6 +67,28 @@ def test_kinds_of_fault():
     assert faults.describe(h).endswith("; loader worker(s) waiting on a lock (futex) 98")
 
 
+def test_data_refused_mid_run_stops_the_job_whatever_status_the_launcher_reports(tmp_path, capsys):
+    """A rank that refused its data during training (a DataError, exit 2) while srun ended the others (the step's
+    status a signal's) or torchrun reported 1: the input refused, not a crash; no restart repeats it, even after
+    progress."""
+    srun = "srun: error: n1: task 0: Exited with exit code 2\nsrun: error: n2: task 1: Killed\n"
+    assert faults.first_failed_task(srun)["exit_status"] == faults.EXIT_BAD_INPUT
+    why = "DataError: step 12: the device's decoder (cuda:0) refused all 256 JPEGs of a batch that PIL decodes"
+    beats = [_beat(0, 11, "forward/backward", "n1", f"failed: {why}"), _beat(1, 11, "reduction", "n2")]
+    for rc, log, task in ((137, srun, faults.first_failed_task(srun)), (1, "", None)):
+        rec = faults.classify(rc, beats, [], task, log, [])
+        assert (rec["kind"], rec["rank"], rec["node"]) == ("refused", 0, "n1"), rec
+        assert faults.describe(rec).startswith("fault: input refused of rank 0 on n1 in step 12") and why in \
+            faults.describe(rec)
+    out = _run(tmp_path, 10)
+    faults.start(out, "7", 0, [])
+    _run(tmp_path, 12)  # progress since the start: a crash would be restarted
+    (out / "heartbeat").mkdir()
+    (out / "heartbeat" / "rank_0.json").write_text(json.dumps(beats[0]))
+    assert faults.end(out, 137, srun, [], max_restarts=10) == "stop"
+    assert "a restart would refuse them again" in capsys.readouterr().err
+
+
 def test_a_restart_needs_a_newer_checkpoint_so_the_same_failure_twice_ends_the_job(tmp_path, capsys):
     out = _run(tmp_path, 30)
     faults.start(out, "7", 0, [])
