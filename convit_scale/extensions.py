@@ -1,4 +1,4 @@
-"""Where the C++ extensions compiled on first use are cached: one folder per Python environment.
+"""Where the C++ extensions compiled on first use are cached: one folder per Python environment and torch release.
 
 A build file of ``torch.utils.cpp_extension`` names the include paths of the environment that wrote it (its torch,
 its DeepSpeed, its Python). Two environments that share a home (two checkouts, a cluster's virtual environments)

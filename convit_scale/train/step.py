@@ -114,6 +114,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
     stats, bad_samples, ids, taken = StepStats(ctx.device), [], [], 0
+    BROKEN.clear()  # this step's decodes only (a step that raised before its reduction leaves none for the next run)
     spec = run.train_loader.spec
     on_device = StepImages(ctx.device, spec.img_size, spec.group_size)
     for m, batch in enumerate(micro_batches):
