@@ -17,10 +17,6 @@ interleaved rounds; the best round of each is kept. Each reports numba's own cou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +26,7 @@ import numpy as np
 
 from ..data import resample, sample
 from ..splitmix_numba import CACHE
+from .worker import run_worker
 
 STAGES = ("start", "draws", "resize")
 CASES = ("compiled", "from the cache")
@@ -64,15 +61,9 @@ def worker(spec: dict) -> dict:
 def _measure(cache_dir: Path) -> dict:
     """One fresh process with ``cache_dir`` as numba's cache: its stages, ``start`` being its wall-clock as timed
     here less the stages it timed itself."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "convit_scale.bench", "startup", json.dumps({})], env=env,
-                         capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"bench startup: the measuring process failed: {out.stderr[-3000:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    got["start"] = wall - got["draws"] - got["resize"]
+    got = run_worker("startup", {}, env={"NUMBA_CACHE_DIR": str(cache_dir)})
+    got["start"] = time.perf_counter() - t0 - got["draws"] - got["resize"]
     return got
 
 

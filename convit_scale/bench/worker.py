@@ -40,10 +40,11 @@ def worker_env(memory: bool) -> dict:
     return {**os.environ, **(RSS_ENV if memory else {})}
 
 
-def run_worker(kind: str, spec: dict, memory: bool = False) -> dict:
+def run_worker(kind: str, spec: dict, memory: bool = False, env: dict | None = None) -> dict:
     """One measurement in a fresh interpreter; its last stdout line is the JSON result. ``memory``: the result's peak
-    memory is read (the worker runs with ``RSS_ENV``); otherwise its times are, and it runs with training's malloc."""
-    env = worker_env(memory)
+    memory is read (the worker runs with ``RSS_ENV``); otherwise its times are, and it runs with training's malloc.
+    ``env``: variables set for the worker beside those."""
+    env = {**worker_env(memory), **(env or {})}
     out = subprocess.run([sys.executable, "-m", "convit_scale.bench", kind, json.dumps(spec)], capture_output=True,
                          text=True, env=env)
     if out.returncode != 0:
