@@ -203,9 +203,14 @@ def save_and_stop(run: Run, state: TrainState) -> str:
     return "stopped"
 
 
+def _due(every: int | None, count: int) -> bool:
+    """Whether a periodic save of every ``every`` (steps, epochs; None: never) falls at ``count``."""
+    return bool(every) and count % every == 0
+
+
 def _periodic_save(run: Run, state: TrainState, every: int | None, count: int, reason: str) -> None:
     """A periodic checkpoint, never from a state that followed a bad step without a good one after it."""
-    if every and count % every == 0 and state.step < run.total_steps and state.consecutive_bad == 0:
+    if _due(every, count) and state.step < run.total_steps and state.consecutive_bad == 0:
         save(run, state, reason)
 
 
@@ -230,8 +235,7 @@ def _retry_save(run: Run, state: TrainState, failed_now: bool) -> None:
     this step (that one is made at once). A failure found now is logged and recorded first."""
     if failed_now:
         state.meters.retry_save = True
-    epoch_save = _epoch_finished(run, state) and run.cfg.checkpoint.every_epochs is not None and \
-        (state.epoch + 1) % run.cfg.checkpoint.every_epochs == 0
+    epoch_save = _epoch_finished(run, state) and _due(run.cfg.checkpoint.every_epochs, state.epoch + 1)
     if state.step < run.total_steps and state.consecutive_bad == 0 and not epoch_save:
         save(run, state, "retry")
     elif failed_now:
@@ -246,7 +250,7 @@ def _after_step(run: Run, state: TrainState, res: StepResult, resumed_from: int)
     if res.save_failed or state.meters.retry_save:
         _retry_save(run, state, res.save_failed)  # in place of a periodic save due at this step
     else:
-        if res.save_due and not (cfg.every_steps and state.step % cfg.every_steps == 0):
+        if res.save_due and not _due(cfg.every_steps, state.step):
             _periodic_save(run, state, 1, state.step, "every_minutes")
         _periodic_save(run, state, cfg.every_steps, state.step, "every_steps")
     first = not run.watch.started
