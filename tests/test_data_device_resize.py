@@ -137,11 +137,28 @@ def test_bad_input_is_refused_with_a_clear_error(images):
         resize_packed(flat[:-1], sizes, SIZE)
     with pytest.raises(ValueError, match="flips must be"):
         resize_packed(flat, sizes, SIZE, torch.zeros(2, dtype=torch.bool))
-    with pytest.raises(ValueError, match="over 64 x size=4"):
-        resize_packed(torch.zeros(257 * 3, dtype=torch.uint8), torch.tensor([(1, 257)]), 4)
-    assert resize_packed(torch.zeros(256 * 3, dtype=torch.uint8), torch.tensor([(1, 256)]), 4).shape == (1, 3, 4, 4)
     with pytest.raises(ValueError, match="3 channels"):
         resize_list([torch.zeros((4, 5, 6), dtype=torch.uint8)], SIZE)
+
+
+def test_a_box_over_64_times_the_output_is_resized_exactly_in_a_float64_chunk_of_its_own(monkeypatch):
+    """Past ``MAX_SCALE`` x the output side, float32's limb sums could leave its exact integers: such boxes (beside
+    the others, PIL's tall rule included) are PIL's pixels all the same, from float64 passes of their own chunks."""
+    passes, real = [], device_resize._resize_passes
+    monkeypatch.setattr(device_resize, "_resize_passes",
+                        lambda boxes, *a: passes.append((len(boxes), a[-2], a[-1])) or real(boxes, *a))
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in [(3, 20000, 3), (40, 30, 3), (300, 2, 3),
+                                                                         (256, 200, 3), (257, 300, 3)]]
+    flips = torch.tensor([True, False, True, False, True])
+    out = resize_packed(*_packed(images), 4, flips)
+    for img, o, f in zip(images, out, flips.tolist()):
+        want = np.asarray(Image.fromarray(img).resize((4, 4), Image.BICUBIC))[:, ::-1 if f else 1]
+        assert np.array_equal(_hwc(o), want), img.shape
+    # (boxes, transposed, dtype): 40 x 30 and 256 x 200 (64 x 4) in float32; the wide ones in float64, the tall one
+    # (300 > 100 x 2) in a chunk of its own
+    assert sorted(passes, key=str) == sorted([(2, False, torch.float32), (2, False, torch.float64),
+                                              (1, True, torch.float64)], key=str)
 
 
 def _timm_crop(data: bytes, box, flip: bool) -> np.ndarray:

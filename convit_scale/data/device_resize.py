@@ -10,13 +10,14 @@ largest box, with one dense weight matrix per image (zero outside the image's ta
     out = resize_list([img[:, t:t + h, l:l + w], ...], 224, flips)   # views of device-decoded images
     res = decode_crop_resize(jpeg_bytes, boxes, 224, flips, device)  # decode (nvJPEG on CUDA) + crop + resize
 
-Exact, not close: the fixed-point weights are split into three 8-bit limbs (w = l2 * 2**16 + l1 * 2**8 + l0), so
-every product of the float32 matrix products is an integer below 2**16 and every partial sum an integer below 2**24
-(for supports below 258 taps: boxes up to 64x the output side): exact in float32, and exact under TF32 or bf16
-matmul precision too (8-bit integers are exact there). The limbs' sums are recombined with PIL's rounding
-(``_round_limbs``). The output equals PIL's for the same pixels (``tests/test_data_device_resize.py``: 0 levels on
-random sizes), up to the weights' normalising sum, which PIL adds left to right and torch in its own order (a
-weight could move by one step of 2**-22; never seen).
+Exact, not close: the fixed-point weights are split into three 8-bit limbs (w = l2 * 2**16 + l1 * 2**8 + l0), so every
+product of the float32 matrix products is an integer below 2**16 and every partial sum an integer below 2**24 (for
+supports below 258 taps: boxes up to 64x the output side, ``MAX_SCALE``): exact in float32, and exact under TF32 or bf16
+matmul precision too (8-bit integers are exact there). A larger box (a crop of a photograph over 14,336 pixels on a
+side, for 224) is resized in a chunk of its own in float64, exact to 2**53. The limbs' sums are recombined with PIL's
+rounding (``_round_limbs``). The output equals PIL's for the same pixels (``tests/test_data_device_resize.py``: 0 levels
+on random sizes), up to the weights' normalising sum, which PIL adds left to right and torch in its own order (a weight
+could move by one step of 2**-22; never seen).
 
 Pillow resizes an image more than 100 times taller than wide, and shrunk vertically, vertically first
 (``Image.resize``); such images (never a RandomResizedCrop box: aspect 3/4 to 4/3) are resized transposed, in
@@ -53,8 +54,9 @@ LIMBS = 3
 """The 8-bit limbs of a 22-bit weight (signed top limb)."""
 
 MAX_SCALE = 64
-"""The largest downscaling factor: PIL's bicubic then has 2 * ceil(2 * 64) + 1 = 257 taps, whose limb sums
-(257 x 255 x 255) stay below 2**24, float32's exact integers."""
+"""The largest downscaling factor resized in float32: PIL's bicubic then has 2 * ceil(2 * 64) + 1 = 257 taps, whose
+limb sums (257 x 255 x 255) stay below 2**24, float32's exact integers. Larger boxes are resized in float64 (chunks of
+their own: ``_chunks``)."""
 
 TALL = 100
 """PIL resizes an image more than this many times taller than wide (and shrunk vertically) vertically first."""
@@ -105,14 +107,14 @@ def _taps(in_sizes: torch.Tensor, size: int, taps: int, reverse: torch.Tensor | 
     return xmin.unsqueeze(-1), fixed
 
 
-def _limb_matrix(in_sizes: torch.Tensor, padded: int, size: int, taps: int,
-                 reverse: torch.Tensor | None) -> torch.Tensor:
-    """(n, LIMBS * S, padded) float32: row l * S + o holds limb l of output o's weights at its inputs' columns."""
+def _limb_matrix(in_sizes: torch.Tensor, padded: int, size: int, taps: int, reverse: torch.Tensor | None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(n, LIMBS * S, padded) ``dtype``: row l * S + o holds limb l of output o's weights at its inputs' columns."""
     start, fixed = _taps(in_sizes, size, taps, reverse)
-    limbs = torch.stack([fixed & 255, (fixed >> 8) & 255, fixed >> 16], 1).float()  # (n, L, S, taps)
+    limbs = torch.stack([fixed & 255, (fixed >> 8) & 255, fixed >> 16], 1).to(dtype)  # (n, L, S, taps)
     cols = (start + torch.arange(taps, dtype=torch.float64, device=start.device)).long().clamp(max=padded - 1)
     n = fixed.shape[0]
-    dense = torch.zeros((n, LIMBS, size, padded), dtype=torch.float32, device=start.device)
+    dense = torch.zeros((n, LIMBS, size, padded), dtype=dtype, device=start.device)
     dense.scatter_add_(3, cols.unsqueeze(1).expand(n, LIMBS, size, taps), limbs)  # clamped taps add 0
     return dense.view(n, LIMBS * size, padded)
 
@@ -131,27 +133,28 @@ def _round_limbs(p0: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor) -> torch.
 # ---------------------------------------------------------------------------------------------------------
 
 def _resize_chunk(boxes: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, size: int, flips: torch.Tensor | None,
-                  taps: tuple[int, int], transposed: bool) -> torch.Tensor:
-    """boxes uint8 (n, 3, H, W) padded (any strides), hs/ws (n,) int64 on the device -> float32 (n, 3, S, S) with
-    uint8 values. ``transposed``: the vertical pass first (PIL's rule for very tall images), as the horizontal-first
-    resize of the transposed boxes, transposed back."""
-    if transposed:
+                  taps: tuple[int, int], kind: _Kind) -> torch.Tensor:
+    """boxes uint8 (n, 3, H, W) padded (any strides), hs/ws (n,) int64 on the device -> (n, 3, S, S) with uint8
+    values, float32 (float64 for a ``kind.wide`` chunk). ``kind.tall``: the vertical pass first (PIL's rule for very
+    tall images), as the horizontal-first resize of the transposed boxes, transposed back."""
+    if kind.tall:
         boxes, hs, ws, taps = boxes.transpose(2, 3), ws, hs, taps[::-1]
     with torch.autocast(boxes.device.type, enabled=False):  # the sums reach 1.7e7: fp16 overflows, bf16 rounds
-        return _resize_passes(boxes, hs, ws, size, flips, taps, transposed)
+        return _resize_passes(boxes, hs, ws, size, flips, taps, kind.tall,
+                              torch.float64 if kind.wide else torch.float32)
 
 
-def _resize_passes(boxes, hs, ws, size, flips, taps, transposed):
+def _resize_passes(boxes, hs, ws, size, flips, taps, transposed, dtype):
     n, _, h, w = boxes.shape
-    x = torch.empty((n, h, 3, w), dtype=torch.float32, device=boxes.device)
+    x = torch.empty((n, h, 3, w), dtype=dtype, device=boxes.device)
     x.copy_(boxes.permute(0, 2, 1, 3))  # rows (y, channel): pass 1 contracts columns, pass 2 rows
-    weights = _limb_matrix(ws, w, size, taps[1], None if transposed else flips)
+    weights = _limb_matrix(ws, w, size, taps[1], None if transposed else flips, dtype)
     p = torch.bmm(x.view(n, h * 3, w), weights.transpose(1, 2))  # (n, 3H, L * S)
     del x, weights
     p = p.view(n, h * 3, LIMBS, size)
     mid = _round_limbs(p[:, :, 0], p[:, :, 1], p[:, :, 2])  # (n, 3H, S): PIL's 8-bit intermediate image
     del p
-    weights = _limb_matrix(hs, h, size, taps[0], flips if transposed else None)
+    weights = _limb_matrix(hs, h, size, taps[0], flips if transposed else None, dtype)
     q = torch.bmm(weights, mid.view(n, h, 3 * size))  # (n, L * S, 3S)
     del mid, weights
     q = q.view(n, LIMBS, size, 3 * size)
@@ -164,25 +167,35 @@ def _taps_of(in_max: int, size: int) -> int:
     return int(np.ceil(2.0 * max(in_max / size, 1.0))) * 2 + 1
 
 
-def _chunks(hs: np.ndarray, ws: np.ndarray, size: int, budget: int) -> list[tuple[np.ndarray, bool]]:
-    """(image indices, transposed) per chunk: each group (PIL's tall rule or not) sorted by size and cut greedily
-    where the next image would take the chunk's padded working memory above ``budget`` (host ints, O(B))."""
+@dataclass(frozen=True)
+class _Kind:
+    """What a chunk's images share: ``tall``, PIL's vertical-first rule (``TALL``); ``wide``, a side over
+    ``MAX_SCALE`` x the output's (float64 passes, twice the working memory)."""
+
+    tall: bool
+    wide: bool
+
+
+def _chunks(hs: np.ndarray, ws: np.ndarray, size: int, budget: int) -> list[tuple[np.ndarray, _Kind]]:
+    """(image indices, kind) per chunk: each group of one ``_Kind`` sorted by size and cut greedily where the next
+    image would take the chunk's padded working memory above ``budget`` (host ints, O(B))."""
     tall = (hs > TALL * ws) & (hs > size)
+    wide = np.maximum(hs, ws) > MAX_SCALE * size
     chunks = []
-    for flag in (False, True):
-        idx = np.flatnonzero(tall == flag)
+    for kind in (_Kind(False, False), _Kind(True, False), _Kind(False, True), _Kind(True, True)):
+        idx = np.flatnonzero((tall == kind.tall) & (wide == kind.wide))
         idx = idx[np.lexsort((ws[idx], hs[idx]))]
         current, hmax, wmax = [], 0, 0
         for i in idx.tolist():
             h2, w2 = max(hmax, int(hs[i])), max(wmax, int(ws[i]))
-            pad_h, pad_w = (w2, h2) if flag else (h2, w2)
-            if current and (len(current) + 1) * bytes_per_image(pad_h, pad_w, size) > budget:
-                chunks.append((np.array(current), flag))
+            pad_h, pad_w = (w2, h2) if kind.tall else (h2, w2)
+            if current and (len(current) + 1) * bytes_per_image(pad_h, pad_w, size) * (1 + kind.wide) > budget:
+                chunks.append((np.array(current), kind))
                 current, h2, w2 = [], int(hs[i]), int(ws[i])
             current.append(i)
             hmax, wmax = h2, w2
         if current:
-            chunks.append((np.array(current), flag))
+            chunks.append((np.array(current), kind))
     return chunks
 
 
@@ -223,10 +236,6 @@ def _resize_rows(rows: _Rows, size: int, flips: torch.Tensor | None, out_dtype: 
                  budget: int) -> torch.Tensor:
     """Every image of ``rows`` resized to ``size`` (PIL's bicubic), flipped where ``flips``: (B, 3, S, S)."""
     dev, n = rows.flat.device, len(rows.hs)
-    largest = int(max(rows.hs.max(), rows.ws.max())) if n else 0
-    if largest > MAX_SCALE * size:
-        raise ValueError(f"an image of {largest} pixels on a side is over {MAX_SCALE} x size={size}: its resize's "
-                         f"sums would leave float32's exact integers; resize it in steps (e.g. to {MAX_SCALE * size})")
     chunks = _chunks(rows.hs, rows.ws, size, budget)
     order = np.concatenate([c for c, _ in chunks]) if chunks else np.zeros(0, np.int64)
     table = torch.from_numpy(np.stack([rows.base, rows.pitch_c, rows.pitch_y, rows.hs, rows.ws], 1).astype(np.int64))
@@ -236,14 +245,14 @@ def _resize_rows(rows: _Rows, size: int, flips: torch.Tensor | None, out_dtype: 
         flips = flips.to(dev, non_blocking=True)
     out = torch.empty((n, 3, size, size), dtype=out_dtype, device=dev)
     start = 0
-    for idx, transposed in chunks:
+    for idx, kind in chunks:
         sel = order_dev[start:start + len(idx)]
         start += len(idx)
         h, w = int(rows.hs[idx].max()), int(rows.ws[idx].max())
         boxes = _gather(rows, sel, h, w)
         sub = table.index_select(0, sel)
         resized = _resize_chunk(boxes, sub[:, 3], sub[:, 4], size, None if flips is None else flips[sel],
-                                (_taps_of(h, size), _taps_of(w, size)), transposed)
+                                (_taps_of(h, size), _taps_of(w, size)), kind)
         out.index_copy_(0, sel, resized.to(out_dtype))
     return out
 
