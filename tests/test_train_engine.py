@@ -68,7 +68,9 @@ def _shared_plan(tmp, fm_tree) -> list[dict]:
                  run={"nonfinite_policy": "stop"}, checkpoint={"every_steps": 1, "keep_last": 5})]
     plan += [run("export", parallel={"strategy": "zero3"}, schedule={"max_steps": 2}),
              run("resharded", model=EXACT, data=NO_MIX, schedule={"max_steps": 2}),
-             run("analysis-two", model=EXACT, data=NO_MIX, parallel={"strategy": "ddp"}, schedule={"max_steps": 3})]
+             run("analysis-two", model=EXACT, data=NO_MIX, parallel={"strategy": "ddp"}, schedule={"max_steps": 3}),
+             run("stop-in-eval", env={"CONVIT_SCALE_SIGNAL_IN_EVAL": "0:1"}, data={"subset_fraction": 0.1},
+                 schedule={"max_steps": 5})]
     return plan
 
 
@@ -234,6 +236,21 @@ def test_sharded_epoch_analysis_on_two_ranks_equals_one_rank(shared, fm_tree, tm
     assert len(one["nonlocality"]) == 3 and all(abs(a - b) < 1e-4
                                                 for a, b in zip(one["nonlocality"], two["nonlocality"]))
     assert all(abs(a - b) < 1e-5 for la, lb in zip(one["gating"], two["gating"]) for a, b in zip(la, lb))
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_the_evaluation_stops_the_run_after_it(shared):
+    """Rank 1 is signalled as epoch 0's evaluation begins (its last step's reduction has passed): the run stops
+    after the evaluation, saving once there (the stop's checkpoint, in place of the epoch's), not after a step and
+    an epoch save more; the checkpoint is the next epoch's start, which a resume begins with."""
+    out, status = shared["stop-in-eval"]
+    assert status == 75
+    last = records(out)[-1]["step"]
+    assert [r["epoch"] for r in records(out, "eval")] == [0]
+    assert [(r["step"], r["reason"]) for r in records(out, "checkpoint")] == [(last, "signal")]
+    assert [r["step"] for r in records(out, "stopped")] == [last]
+    meta = json.loads((out / "checkpoints" / f"step_{last:09d}" / "meta.json").read_text())
+    assert (meta["epoch"], meta["batch_in_epoch"], meta["reason"]) == (1, 0, "signal")
 
 
 # -- resume across processes: what a requeue does ---------------------------------------------------------------

@@ -6,13 +6,15 @@ checkpointed periodically, on a stop signal and at the end.
             res = train_step(run, state, micro_batches)   # one packed reduction, the non-finite decision
             log_step(run, state, res, progress)           # host values only at log steps
             if res.stop: return save_and_stop(run, state)
-        close_epoch(run, state)                          # evaluation, analysis, epoch checkpoint
+        if close_epoch(run, state): return save_and_stop(run, state)  # evaluation, analysis, epoch checkpoint
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+
+import torch
 
 from .. import comm, evaluation, faults, jpeg_roi
 from ..analysis.during_training import epoch_analysis
@@ -67,14 +69,18 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
     progress.advance(state.step)
 
 
-def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
+def end_of_epoch(run: Run, state: TrainState, epoch: int) -> bool:
     """Evaluation and the gating/nonlocality analysis, every ``run.eval_every_epochs`` and at the end (a short
-    epoch, as on a small Table 2 subset, would otherwise spend more on its analysis than on its steps)."""
+    epoch, as on a small Table 2 subset, would otherwise spend more on its analysis than on its steps); whether
+    they ran."""
     cfg = run.cfg
     if run.val_loader is None or not ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
-        return
+        return False
+    if run.faults is not None:
+        run.faults.before_eval(epoch)
     with long_phase(run, EVAL):
         _evaluate_and_analyse(run, state, epoch)
+    return True
 
 
 def _evaluate_and_analyse(run: Run, state: TrainState, epoch: int) -> None:
@@ -103,12 +109,23 @@ def _epoch_finished(run: Run, state: TrainState) -> bool:
     return state.batch_in_epoch // run.accum >= run.steps_per_epoch
 
 
-def close_epoch(run: Run, state: TrainState) -> None:
+def close_epoch(run: Run, state: TrainState) -> bool:
     """After an epoch's last step (or on resuming from a checkpoint saved there, before its evaluation): evaluate
-    and analyse it, move to the next epoch, and save the epoch checkpoint (after its evaluation)."""
-    end_of_epoch(run, state, state.epoch)
+    and analyse it, move to the next epoch, and save the epoch checkpoint (after its evaluation). Returns whether a
+    stop signal came during the evaluation (agreed by every rank): the run then stops here, the stop's checkpoint in
+    place of the epoch's, instead of after the next epoch's first step (its loader's start, a step, and an epoch
+    save the stop's would follow, all inside the signal's lead before the time limit)."""
+    evaluated = end_of_epoch(run, state, state.epoch)
     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+    if evaluated and state.step < run.total_steps and _stop_agreed(run):
+        return True
     _periodic_save(run, state, run.cfg.checkpoint.every_epochs, state.epoch, "epoch")
+    return False
+
+
+def _stop_agreed(run: Run) -> bool:
+    """Whether any rank received a stop signal (one small all-reduce, as the step's reduction carries it)."""
+    return comm.all_reduce(torch.tensor([float(run.stop.requested)]), "max").item() > 0
 
 
 def _meta(run: Run, state: TrainState, reason: str) -> dict:
@@ -274,8 +291,8 @@ def fit(run: Run, state: TrainState) -> str:
                 if res.stop:
                     return save_and_stop(run, state)
                 _after_step(run, state, res, resumed_from)
-            if _epoch_finished(run, state):
-                close_epoch(run, state)
+            if _epoch_finished(run, state) and close_epoch(run, state):
+                return save_and_stop(run, state)
         if not state.meters.final and run.val_loader is not None:  # max_steps ended mid-epoch: evaluate the end
             end_of_epoch(run, state, state.epoch if state.batch_in_epoch else state.epoch - 1)
     _finish(run, state, save(run, state, "end"))
