@@ -169,13 +169,14 @@ def save(run: Run, state: TrainState, reason: str):
     return path
 
 
-def _settle_in_flight(run: Run, state: TrainState, reason: str) -> bool:
+def _settle_in_flight(run: Run, state: TrainState, reason: str, then: str | None = None) -> bool:
     """Wait for the save in flight, if any; whether it failed on any rank (agreed by every rank: the save that
     follows is a collective, made alike everywhere). Its failure is logged and recorded, and the save being made
     goes ahead, at once: raised here, it would end a stop without the checkpoint the stop is for (and without its
     requeue), the end without the final state, a run without its next checkpoint. A failure of this save too is the
     run's error. The gloo group of the background saves is destroyed and made anew at the next one (a collective
-    that timed out leaves its group unusable)."""
+    that timed out leaves its group unusable). ``reason``: the save that follows (recorded with the failure);
+    ``then``: what the log says comes next, where that is not this save at once."""
     if not run.cfg.checkpoint.async_save:
         return False  # nothing was saved beside training
     error = None
@@ -188,8 +189,7 @@ def _settle_in_flight(run: Run, state: TrainState, reason: str) -> bool:
     errors = [e for e in comm.all_gather_object(error) if e]
     if not errors:
         return False
-    then = (f"the {reason} checkpoint of step {state.step} is saved at once" if reason != "pending"
-            else "the next save is made at once (after a good step, or the epoch's or the end's)")
+    then = then or f"the {reason} checkpoint of step {state.step} is saved at once"
     log(run.ctx, f"the checkpoint written beside training was not published ({errors[0]}); {then}")
     run.metrics.write({"kind": "checkpoint_failed", "step": state.step, "reason": reason, "error": errors[0]})
     group, run.strategy.save_group = run.strategy.save_group, None
@@ -257,7 +257,8 @@ def _retry_save(run: Run, state: TrainState, failed_now: bool) -> None:
         save(run, state, "retry")
     elif failed_now:
         with long_phase(run, SAVE):
-            _settle_in_flight(run, state, "pending")
+            _settle_in_flight(run, state, "pending",
+                              "the next save is made at once (after a good step, or the epoch's or the end's)")
 
 
 def _after_step(run: Run, state: TrainState, res: StepResult, resumed_from: int) -> None:
