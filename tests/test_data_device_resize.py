@@ -322,6 +322,27 @@ def test_cmyk_jpegs_are_decoded_on_the_host_not_offered_to_the_device(jpegs):
     assert all(device_decodable(_tensor(jpegs[k])) for k in ("4:2:0", "progressive", "grey", "4:4:4"))
 
 
+def test_jpegs_of_rgb_samples_are_decoded_on_the_host_not_offered_to_the_device():
+    """libjpeg (PIL's decoder) reads a 3-component frame as RGB, not YCbCr, under an Adobe marker of transform 0, or,
+    without one, by component ids R, G, B: such files go to PIL, whose pixels they get; a JFIF or a transform-1
+    marker says YCbCr, and the device is offered them."""
+    rng = np.random.default_rng(5)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).save(out, "JPEG", keep_rgb=True, quality=95)
+    data = bytearray(out.getvalue())
+    app14 = data.index(b"\xff\xee\x00\x0eAdobe")
+    assert data[app14 + 15] == 0  # Pillow's RGB: Adobe transform 0, ids R, G, B
+    assert not device_decodable(_tensor(bytes(data)))
+    no_adobe = data[:app14] + data[app14 + 16:]
+    assert not device_decodable(_tensor(bytes(no_adobe)))  # the ids alone
+    ycc = bytearray(data)
+    ycc[app14 + 15] = 1
+    assert device_decodable(_tensor(bytes(ycc)))  # the marker says YCbCr, whatever the ids
+    res = decode_crop_resize([_tensor(bytes(data))], torch.tensor([(2, 3, 20, 25)]), SIZE, None, "cpu")
+    assert res.refused == 1 and res.failed == {}
+    assert np.abs(_hwc(res.images[0]).astype(int) - _timm_crop(bytes(data), [2, 3, 20, 25], False)).max() == 0
+
+
 def test_a_header_claiming_no_pixels_or_a_bomb_is_not_offered_to_the_device(jpegs):
     """A frame header of 0 rows, or of more pixels than PIL accepts (an allocation the device would fail, which
     ends the run): PIL's, on the host. A header cut short is not read past its end."""

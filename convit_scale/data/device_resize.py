@@ -431,11 +431,13 @@ def device_decodable(data: torch.Tensor) -> bool:
     is one of ``FRAMES`` with 8-bit samples of 1 or 3 components. A PNG or GIF under a .JPEG name fails here, with no
     device attempt (a refusal would fail the whole batched call), as does a CMYK or YCCK JPEG (4 components: nvJPEG
     refuses them unless asked, and torchvision does not ask; PIL converts them, the reference's pixels), or one whose
-    header claims no pixels or more than ``DEVICE_MAX_PIXELS``. Reads the markers' lengths only: microseconds."""
+    header claims no pixels or more than ``DEVICE_MAX_PIXELS``, or whose 3 components are RGB, not YCbCr
+    (``_rgb_components``). Reads the markers' lengths only: microseconds."""
     b = memoryview(data.numpy())
     n, i = len(b), 2
     if n < 4 or b[0] != 0xFF or b[1] != 0xD8:
         return False
+    jfif, adobe = False, None
     while i + 4 <= n and b[i] == 0xFF:
         marker = b[i + 1]
         if marker == 0xFF or marker == 0x01 or 0xD0 <= marker <= 0xD7:  # fill byte, TEM, RSTn: no length
@@ -444,11 +446,28 @@ def device_decodable(data: torch.Tensor) -> bool:
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn (not DHT, JPG, DAC): precision,
             pixels = (b[i + 5] << 8 | b[i + 6]) * (b[i + 7] << 8 | b[i + 8]) if i + 9 < n else 0  # height x width
             return (0 < pixels <= DEVICE_MAX_PIXELS and marker in FRAMES  # (0: the header is cut short)
-                    and b[i + 4] == 8 and b[i + 9] in (1, 3))  # 8-bit samples, 1 or 3 components
+                    and b[i + 4] == 8 and b[i + 9] in (1, 3)  # 8-bit samples, 1 or 3 components
+                    and not (b[i + 9] == 3 and _rgb_components(b, i, jfif, adobe)))
         if marker in (0xD9, 0xDA):  # EOI or the first scan: no frame header before it
             return False
+        if marker == 0xE0 and bytes(b[i + 4:i + 9]) == b"JFIF\0":
+            jfif = True
+        elif marker == 0xEE and bytes(b[i + 4:i + 9]) == b"Adobe" and i + 15 < n:
+            adobe = b[i + 15]  # its transform: 0 RGB (or CMYK), 1 YCbCr, 2 YCCK
         i += 2 + (b[i + 2] << 8 | b[i + 3])
     return False
+
+
+def _rgb_components(b: memoryview, sof: int, jfif: bool, adobe: int | None) -> bool:
+    """Whether libjpeg (PIL's decoder, the reference) reads a 3-component frame as RGB rather than YCbCr: no JFIF
+    marker, and an Adobe marker's transform 0, or without one the component ids 'R', 'G', 'B' (``jdapimin.c``'s
+    rule). Such files (Pillow writes them with ``keep_rgb``) go to PIL: whether nvJPEG honours the same rule is
+    not part of its documented behaviour, and a colour transform it applied to RGB samples would pass silently."""
+    if jfif:
+        return False
+    if adobe is not None:
+        return adobe == 0
+    return sof + 17 <= len(b) and (b[sof + 10], b[sof + 13], b[sof + 16]) == (82, 71, 66)
 
 
 def _decode_accepted(encoded: list[torch.Tensor], idx: list[int], device: torch.device, out: dict,
