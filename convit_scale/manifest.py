@@ -49,6 +49,13 @@ class DataError(BadInput, RuntimeError):
     """Unusable data (missing files, a truncated shard, a manifest mismatch): one line naming the input."""
 
 
+class SourceUnavailable(DataError):
+    """Data that could not be reached during training (a shard that did not open after ``data.open_retries``: a
+    remote store or a file system that is down): the data may be fine and come back, so a training rank ends with
+    it as with a crash (exit status 1), which the launcher restarts where the run made progress, not as input it
+    refuses (``EXIT_BAD_INPUT``), which would stop the job for good."""
+
+
 MANIFEST = "manifest.json"
 TIMM_INFO = "_info.json"
 """timm's description of a WebDataset folder (``timm.data.readers.reader_wds``)."""

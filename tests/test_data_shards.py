@@ -6,7 +6,8 @@ import torch
 from support import epoch_batches
 
 from convit_scale.config import DataConfig
-from convit_scale.data import DataError, LoaderSpec, build_loader
+from convit_scale.data import LoaderSpec, build_loader
+from convit_scale.manifest import SourceUnavailable
 
 
 def _flaky_pipe(tmp_path, folder, when_failing: str) -> str:
@@ -33,6 +34,6 @@ def test_a_pipe_that_fails_twice_then_streams_is_read(fm_wds, tmp_path):
     # one retry is not enough: one line naming the shard, the tries and the command's failure
     url = _flaky_pipe(tmp_path, fm_wds, "echo 'connection reset' >&2; exit 3")
     d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 1, "open_retry_backoff_s": 0.01})
-    with pytest.raises(DataError, match=r"^pipe:case .*val-\S+\.tar: could not be opened after 2 tries "
+    with pytest.raises(SourceUnavailable, match=r"^pipe:case .*val-\S+\.tar: could not be opened after 2 tries "
                                         r"\(exit status 3: connection reset\); data.open_retries = 1$"):
         epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from ..manifest import read_label
+from ..manifest import SourceUnavailable, read_label
 from ..streams import CommandStream, open_stream, shard_url
-from .faults import DataError, reason_of
+from .faults import reason_of
 
 
 def _tar_samples(tar, where: list, label: str = "cls"):
@@ -64,8 +64,9 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
     """The ``count`` samples of one shard, in order, as (key, jpg, label, reason); ``reason`` (else None) says
     why a sample has no data. A shard that fails to open or to stream is reopened after backoff_s, 2 x
     backoff_s, ... (``retries`` times), skipping the samples already delivered; a local file that is not a
-    valid tar reads the same again and is not reopened. When it never opens: a DataError naming the shard and
-    the number of tries. When it keeps failing mid-shard: the rest of its samples come with the reason."""
+    valid tar reads the same again and is not reopened. When it never opens: ``SourceUnavailable`` (a DataError)
+    naming the shard and the number of tries. When it keeps failing mid-shard: the rest of its samples come with the
+    reason."""
     url = shard_url(location, name)
     local = "{name}" not in location
     delivered, tries, where = 0, 0, [None]
@@ -94,7 +95,7 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
                 sleep(backoff_s * 2 ** (tries - 1))
                 continue
             if not opened and delivered == 0:
-                raise DataError(f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} "
+                raise SourceUnavailable(f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} "
                                 f"({reason}); data.open_retries = {retries}") from e
             why = f"truncated or corrupt shard after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})"
             for off in range(delivered, count):

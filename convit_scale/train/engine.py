@@ -18,6 +18,7 @@ from .. import comm
 from ..config import Config
 from ..data import DataError
 from ..errors import BadInput
+from ..manifest import SourceUnavailable
 from ..runfolder import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_STORAGE, FolderHeld, release_lease
 from .distributed import init_distributed, set_flight_recorder
 from .integrity import StorageError
@@ -63,6 +64,8 @@ def train(cfg: Config) -> str:
             log(ctx, watch.describe())
         try:
             run, state = setup(cfg, ctx, stop, watch)
+        except SourceUnavailable:
+            raise
         except (BadInput, FolderHeld, FileNotFoundError) as e:  # anything else is a bug: a crash the launcher restarts
             raise SetupRefused(str(e)) from e
         try:
@@ -99,6 +102,9 @@ def exit_status(cfg: Config) -> int:
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_STORAGE
+    except SourceUnavailable as e:  # the data may come back: a crash to the launcher (restarted after progress)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (SetupRefused, DataError) as e:  # DataError: data that failed during training (max_bad_samples, a shard)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
