@@ -158,11 +158,20 @@ that Slurm may send it (sbatch's ``--signal``), and a start to its first step (i
 load). With less, a new step would not see the signal: it would train unsaved until the limit killed it."""
 
 
+SQUEUE_TIMEOUT_S = 30
+"""How long the launcher waits for ``squeue``'s answer (a slurmctld that does not answer must not hold the job)."""
+
+
 def job_time_left(job: str) -> float | None:
-    """Seconds before the job's time limit (``squeue -o %L``); None without a job, a limit or an answer."""
+    """Seconds before the job's time limit (``squeue -o %L``); None without a job, a limit or an answer (no
+    ``squeue`` on the node, or none within ``SQUEUE_TIMEOUT_S``): the decision then goes by the fault alone."""
     if not job:
         return None
-    res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True)
+    try:
+        res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True,
+                             timeout=SQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     return parse_time_left(res.stdout.strip()) if res.returncode == 0 else None
 
 

@@ -89,6 +89,47 @@ def test_data_refused_mid_run_stops_the_job_whatever_status_the_launcher_reports
     assert "a restart would refuse them again" in capsys.readouterr().err
 
 
+def test_a_source_that_could_not_be_reached_is_a_crash_restarted_after_progress(tmp_path, capsys, monkeypatch):
+    """A shard that did not open after its retries (a store or file system that is down) may come back: the rank
+    ends as a crash (exit 1, ``SourceUnavailable``), not as input refused, and the job restarts where it made
+    progress."""
+    from convit_scale.manifest import SourceUnavailable
+    from convit_scale.train import engine
+
+    def unreachable(cfg):
+        raise SourceUnavailable("pipe:curl -s https://store/{name}: train-000042.tar: could not be opened after 4 "
+                                "tries (exit status 6: could not resolve host)")
+
+    monkeypatch.setattr(engine, "train", unreachable)
+    assert engine.exit_status(None) == 1
+    assert "error: pipe:curl" in capsys.readouterr().err
+    why = "SourceUnavailable: pipe:curl -s https://store/{name}: train-000042.tar: could not be opened after 4 tries"
+    beats = [_beat(0, 11, "data", "n1", f"failed: {why}"), _beat(1, 11, "reduction", "n2")]
+    srun = "srun: error: n1: task 0: Exited with exit code 1\nsrun: error: n2: task 1: Killed\n"
+    rec = faults.classify(137, beats, [], faults.first_failed_task(srun), srun, [])
+    assert (rec["kind"], rec["rank"]) == ("crash", 0), rec
+    out = _run(tmp_path, 10)
+    faults.start(out, "", 0, [])
+    _run(tmp_path, 12)
+    (out / "heartbeat").mkdir()
+    (out / "heartbeat" / "rank_0.json").write_text(json.dumps(beats[0]))
+    assert faults.end(out, 137, srun, [], max_restarts=10) == "restart"
+
+
+def test_no_answer_from_squeue_leaves_the_decision_to_the_fault(tmp_path, monkeypatch):
+    """No ``squeue`` on the node, or one that does not answer: no time left is known (None), nothing raised."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert faults.job_time_left("7") is None
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\nexec sleep 30\n")
+    squeue.chmod(0o755)
+    monkeypatch.setattr(faults, "SQUEUE_TIMEOUT_S", 0.5)
+    t0 = time.monotonic()
+    assert faults.job_time_left("7") is None and time.monotonic() - t0 < 10
+    squeue.write_text("#!/bin/sh\necho 1-02:03:04\n")
+    assert faults.job_time_left("7") == 93784
+
+
 def test_a_restart_needs_a_newer_checkpoint_so_the_same_failure_twice_ends_the_job(tmp_path, capsys):
     out = _run(tmp_path, 30)
     faults.start(out, "7", 0, [])
