@@ -70,6 +70,8 @@ def _shared_plan(tmp, fm_tree) -> list[dict]:
              run("resharded", model=EXACT, data=NO_MIX, schedule={"max_steps": 2}),
              run("analysis-two", model=EXACT, data=NO_MIX, parallel={"strategy": "ddp"}, schedule={"max_steps": 3}),
              run("stop-in-eval", env={"CONVIT_SCALE_SIGNAL_IN_EVAL": "0:1"}, data={"subset_fraction": 0.1},
+                 schedule={"max_steps": 5}),
+             run("stop-at-epoch-end", env={"CONVIT_SCALE_SIGNAL_AT_EPOCH_END": "0:1"}, data={"subset_fraction": 0.1},
                  schedule={"max_steps": 5})]
     return plan
 
@@ -251,6 +253,20 @@ def test_a_stop_signal_during_the_evaluation_stops_the_run_after_it(shared):
     assert [r["step"] for r in records(out, "stopped")] == [last]
     meta = json.loads((out / "checkpoints" / f"step_{last:09d}" / "meta.json").read_text())
     assert (meta["epoch"], meta["batch_in_epoch"], meta["reason"]) == (1, 0, "signal")
+
+
+@pytest.mark.slow
+def test_a_stop_signal_before_the_evaluation_stops_the_run_before_it(shared):
+    """Rank 1 is signalled as epoch 0 closes, after its last step's reduction (as in a save at that step): the run
+    stops at once, its checkpoint the finished epoch's before its evaluation (which a resumed run makes first),
+    without spending the signal's lead on the evaluation and analysis."""
+    out, status = shared["stop-at-epoch-end"]
+    assert status == 75
+    last = records(out)[-1]["step"]
+    assert records(out, "eval") == [] and records(out, "analysis") == []
+    assert [(r["step"], r["reason"]) for r in records(out, "checkpoint")] == [(last, "signal")]
+    meta = json.loads((out / "checkpoints" / f"step_{last:09d}" / "meta.json").read_text())
+    assert (meta["epoch"], meta["step_in_epoch"], meta["reason"]) == (0, last, "signal")
 
 
 # -- resume across processes: what a requeue does ---------------------------------------------------------------

@@ -8,7 +8,8 @@
   ``CONVIT_SCALE_STOP_WORKER_AT_STEP=s:r``: it stops its DataLoader workers (a loader that never delivers);
   ``CONVIT_SCALE_SIGNAL_AT_STEP=s:r``: it sends itself SIGTERM (a preemption, at a known step). Every start of the
   run that reaches step ``s`` suffers it again (tests of the launcher's same-failure-twice rule).
-  ``CONVIT_SCALE_SIGNAL_IN_EVAL=e:r``: rank ``r`` sends itself SIGTERM as the evaluation of epoch ``e`` begins.
+  ``CONVIT_SCALE_SIGNAL_IN_EVAL=e:r``: rank ``r`` sends itself SIGTERM as the evaluation of epoch ``e`` begins;
+  ``CONVIT_SCALE_SIGNAL_AT_EPOCH_END=e:r``: as epoch ``e`` closes, before its evaluation.
 - ``CONVIT_SCALE_STEP_DELAY_S=x``: every rank waits ``x`` s before each step (a fault test on a fast CPU, whose
   tiny steps take milliseconds, gets time to hit a run in the middle of an epoch from outside).
 - ``log.debug_memory``: the memory of live tensors after backward, once (``state_mem_mb``; memory.py).
@@ -71,17 +72,26 @@ class Faults:
     delay_s: float = 0.0
     signal_in_eval: set = field(default_factory=set)
     """Epochs whose evaluation this rank receives SIGTERM in."""
+    signal_at_close: set = field(default_factory=set)
+    """Epochs whose close (before the evaluation) this rank receives SIGTERM at."""
 
     @classmethod
     def from_env(cls, rank: int) -> "Faults | None":
         f = cls(*((_marks("CONVIT_SCALE_NAN_AT_STEP"), _marks("CONVIT_SCALE_INF_GRAD_AT_STEP")) if rank == 0
                   else (set(), set())), _process_faults(rank), float(os.environ.get("CONVIT_SCALE_STEP_DELAY_S", 0)),
-                {e for e, r in _marks("CONVIT_SCALE_SIGNAL_IN_EVAL") if r == rank})
-        return f if (f.nan_loss or f.inf_grad or f.process or f.delay_s or f.signal_in_eval) else None
+                {e for e, r in _marks("CONVIT_SCALE_SIGNAL_IN_EVAL") if r == rank},
+                {e for e, r in _marks("CONVIT_SCALE_SIGNAL_AT_EPOCH_END") if r == rank})
+        return f if (f.nan_loss or f.inf_grad or f.process or f.delay_s or f.signal_in_eval
+                     or f.signal_at_close) else None
 
     def before_eval(self, epoch: int) -> None:
         """The evaluation of ``epoch`` begins: a stop signal where asked."""
         if epoch in self.signal_in_eval:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def before_close(self, epoch: int) -> None:
+        """Epoch ``epoch`` closes (its last step done, its evaluation not begun): a stop signal where asked."""
+        if epoch in self.signal_at_close:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def before_step(self, step: int) -> None:

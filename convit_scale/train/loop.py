@@ -69,12 +69,16 @@ def log_step(run: Run, state: TrainState, res: StepResult, progress: Progress) -
     progress.advance(state.step)
 
 
+def _eval_due(run: Run, state: TrainState, epoch: int) -> bool:
+    """Evaluation every ``run.eval_every_epochs`` and at the end (a short epoch, as on a small Table 2 subset, would
+    otherwise spend more on its analysis than on its steps)."""
+    every = run.cfg.run.eval_every_epochs
+    return run.val_loader is not None and ((epoch + 1) % every == 0 or state.step >= run.total_steps)
+
+
 def end_of_epoch(run: Run, state: TrainState, epoch: int) -> bool:
-    """Evaluation and the gating/nonlocality analysis, every ``run.eval_every_epochs`` and at the end (a short
-    epoch, as on a small Table 2 subset, would otherwise spend more on its analysis than on its steps); whether
-    they ran."""
-    cfg = run.cfg
-    if run.val_loader is None or not ((epoch + 1) % cfg.run.eval_every_epochs == 0 or state.step >= run.total_steps):
+    """Evaluation and the gating/nonlocality analysis where due (``_eval_due``); whether they ran."""
+    if not _eval_due(run, state, epoch):
         return False
     if run.faults is not None:
         run.faults.before_eval(epoch)
@@ -112,9 +116,14 @@ def _epoch_finished(run: Run, state: TrainState) -> bool:
 def close_epoch(run: Run, state: TrainState) -> bool:
     """After an epoch's last step (or on resuming from a checkpoint saved there, before its evaluation): evaluate
     and analyse it, move to the next epoch, and save the epoch checkpoint (after its evaluation). Returns whether a
-    stop signal came during the evaluation (agreed by every rank): the run then stops here, the stop's checkpoint in
-    place of the epoch's, instead of after the next epoch's first step (its loader's start, a step, and an epoch
-    save the stop's would follow, all inside the signal's lead before the time limit)."""
+    stop signal came before or during the evaluation (agreed by every rank): the run then stops here, the stop's
+    checkpoint in place of the epoch's, instead of after the next epoch's first step (its loader's start, a step,
+    and an epoch save the stop's would follow, all inside the signal's lead before the time limit). One that came
+    before it (in the epoch's last save) stops before it: the resumed run evaluates the epoch first."""
+    if run.faults is not None:
+        run.faults.before_close(state.epoch)
+    if state.step < run.total_steps and _eval_due(run, state, state.epoch) and _stop_agreed(run):
+        return True
     evaluated = end_of_epoch(run, state, state.epoch)
     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
     if evaluated and state.step < run.total_steps and _stop_agreed(run):
