@@ -227,13 +227,13 @@ def test_a_training_step_waits_for_the_gpu_once(strategy, tree, tmp_path, monkey
     from convit_scale.train import loop
     from convit_scale.train.step import StepStats
 
-    reduce, step, calls = StepStats.reduce, loop.train_step, []
+    read, step, calls = StepStats.read, loop.train_step, []
 
-    def allowed_read(self):
+    def allowed_read(reduced):
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("default")
         try:
-            return reduce(self)
+            return read(reduced)
         finally:
             torch.cuda.set_sync_debug_mode(mode)
 
@@ -247,7 +247,7 @@ def test_a_training_step_waits_for_the_gpu_once(strategy, tree, tmp_path, monkey
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(StepStats, "reduce", allowed_read)
+    monkeypatch.setattr(StepStats, "read", staticmethod(allowed_read))
     monkeypatch.setattr(loop, "train_step", strict_step)
     r = _recipe(tmp_path, tree, f"sync_{strategy}", parallel={"strategy": strategy},
                 schedule={"max_steps": WARMUP_STEPS + 2}, data={"val_path": "", "augment_on": "device"})

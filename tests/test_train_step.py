@@ -80,3 +80,68 @@ def test_step_stats_are_named_slots_of_one_reduction():
     from convit_scale.planner import STEP_REDUCTION_BYTES
 
     assert STEP_REDUCTION_BYTES == stats.vector.numel() * stats.vector.element_size()  # what the planner counts
+
+
+def test_the_next_steps_first_micro_batch_is_made_on_the_device_before_the_steps_read(fm_wds, tmp_path,
+                                                                                      monkeypatch):
+    """decode_on device: each step's first micro-batch after the first is taken from the loader, decoded and resized
+    while the step before it waits for its reduction (between the all-reduce's start and its read), once, never past
+    the run's last step; the run's numbers are those of a run that makes each micro-batch in its turn."""
+    from convit_scale.data import device_images
+    from convit_scale.train import step as step_module
+
+    def run(name, events):
+        real_make, real_read = device_images.batch_on_device, step_module.StepStats.read
+        monkeypatch.setattr(device_images, "batch_on_device",
+                            lambda batch, *a: events.append(("made", tuple(batch.ids))) or real_make(batch, *a))
+        monkeypatch.setattr(step_module.StepStats, "read",
+                            staticmethod(lambda reduced: events.append(("read",)) or real_read(reduced)))
+        r = tiny_recipe(tmp_path / f"{name}.yaml", "wds", fm_wds, tmp_path / name, schedule={"max_steps": 3},
+                        data={"decode_on": "device", "augment_on": "device", "val_path": "", "micro_batch_size": 16},
+                        parallel={"strategy": "none"}, checkpoint={"every_steps": 100})
+        assert train_here(r) == 0
+        monkeypatch.undo()
+        return records(tmp_path / name)
+
+    events = []
+    ahead = run("ahead", events)
+    kinds = [e[0] for e in events]  # 2 micro-batches a step; each step's reduction read once
+    assert kinds == ["made", "made", "made", "read", "made", "made", "read", "made", "read"], kinds
+    assert len({e[1] for e in events if e[0] == "made"}) == 6  # each micro-batch once
+    monkeypatch.setattr(step_module.StepMicroBatches, "following", lambda self: None)
+    in_turn = run("in_turn", [])
+    assert [r["loss"] for r in ahead] == [r["loss"] for r in in_turn] and len(ahead) == 3
+
+
+def test_an_error_met_while_taking_or_making_a_micro_batch_early_is_raised_in_its_turn(monkeypatch):
+    """The loader's refusal, or the device's failure, met while the next step's micro-batch was made early, ends the
+    run where it did before: when that step asks for it, after the step before it finished (its update, its saves)."""
+    from convit_scale.data import DataError, device_images
+    from convit_scale.data.batch import Batch
+    from convit_scale.data.device_images import StepImages
+    from convit_scale.train.step import _Ahead
+
+    def loader():
+        yield 1
+        raise DataError("too many unreadable samples")
+
+    ahead = _Ahead(loader())
+    assert ahead.peek() == 1 and next(ahead) == 1
+    assert ahead.peek() is None  # the error is kept...
+    with pytest.raises(DataError, match="too many"):
+        next(ahead)  # ...and raised in its turn
+    calls = []
+
+    def out_of_memory_once(batch, *args):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return batch.images, batch.labels
+
+    monkeypatch.setattr(device_images, "batch_on_device", out_of_memory_once)
+    images = StepImages(torch.device("cpu"), 8, 1)
+    batch = Batch(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
+    images.prepare(batch)  # kept...
+    with pytest.raises(torch.OutOfMemoryError):
+        images(batch, repeated_next=False)  # ...and raised when the batch is asked for, not made again
+    assert len(calls) == 1

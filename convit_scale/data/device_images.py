@@ -27,16 +27,18 @@ from .device_resize import Decoded, decode_crop_resize, decode_crops, resize_pac
 from .faults import next_good
 
 
-def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_on_device(batch: Batch, device: torch.device, size: int, group: int,
+                    broken: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 (B, 3, size, size) images, int64 labels) of ``batch`` on ``device``; views the device could not decode
-    are replaced within their group of ``group`` views and appended to ``batch.bad``."""
+    are replaced within their group of ``group`` views and appended to ``batch.bad``. A decoder that refused the
+    whole batch (``device_resize.REFUSED_ALL_AT``) is appended to ``broken``, or, without it, raises ``DataError``."""
     images, labels = batch.images, batch.labels.to(device, non_blocking=True)
     if isinstance(images, torch.Tensor):
         return images.to(device, non_blocking=True), labels
     if isinstance(images, Boxes):
         return resize_packed(images.pixels.to(device, non_blocking=True), images.sizes, size,
                              images.flips.to(device, non_blocking=True)), labels
-    out, failed = decode_views(images, device, size)
+    out, failed = decode_views(images, device, size, broken)
     if failed:
         for i, record in failed.items():
             batch.bad.append({"key": batch.ids[i] if batch.ids else i, "reason": record["reason"], "device": True})
@@ -45,41 +47,61 @@ def batch_on_device(batch: Batch, device: torch.device, size: int, group: int) -
 
 
 class StepImages:
-    """``batch_on_device`` for one step's micro-batches in turn. A part with no samples (``MicroPart.samples == 0``) is
+    """``batch_on_device`` for an epoch's micro-batches in turn. A part with no samples (``MicroPart.samples == 0``) is
     the previous micro-batch again (the same ``Batch.images``, ``data/steps.py``): it gets the tensors made for that one
-    instead of a second copy, decode and resize. They are kept only while the next part is such a repeat."""
+    instead of a second copy, decode and resize. They are kept only while the next part is such a repeat. ``prepare``
+    makes a micro-batch's tensors before it is asked for (the next step's first, while the device finishes this one).
+
+    ``broken``: why the device's decoder refused a whole batch (``device_resize.REFUSED_ALL_AT``), of the batches made
+    since the training step last took them: it raises them on every rank alike (``StepTotals.decoder_broken``)."""
 
     def __init__(self, device: torch.device, size: int, group: int):
         self.device, self.size, self.group = device, size, group
         self._held: tuple | None = None
+        self.broken: list[str] = []
 
     def __call__(self, batch: Batch, repeated_next: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(images, labels) of ``batch`` on the device; ``repeated_next``: the next micro-batch repeats this one."""
         held, self._held = self._held, None
         if held is not None and held[0] is batch.images:
             out = held[1]
+            if isinstance(out, BaseException):  # made early, it failed: raised now, in its turn
+                raise out
         else:
-            out = batch_on_device(batch, self.device, self.size, self.group)
+            out = batch_on_device(batch, self.device, self.size, self.group, self.broken)
         if repeated_next:
             self._held = (batch.images, out)
         return out
 
+    def prepare(self, batch: Batch) -> None:
+        """Make ``batch``'s tensors now, for the call that asks for them next (nothing else may come between). An
+        error (the device's out-of-memory, a decoder's fault) is kept and raised by that call."""
+        try:
+            out = batch_on_device(batch, self.device, self.size, self.group, self.broken)
+        except Exception as e:
+            out = e
+        self._held = (batch.images, out)
+
+    def take_broken(self) -> list[str]:
+        """The decoders' reports of the batches made until now, cleared here."""
+        broken, self.broken = self.broken, []
+        return broken
+
 
 REFUSED = [0]
 """JPEGs the device's decoder refused that PIL decoded on the host, in this process (the training log counts them)."""
-BROKEN: list[str] = []
-"""Why the device's decoder refused a whole batch (``device_resize.REFUSED_ALL_AT``), in this process: the training
-step raises it on every rank alike (``StepTotals.decoder_broken``)."""
 
 
-def decode_views(views: Encoded, device: torch.device, size: int) -> tuple[torch.Tensor, dict]:
+def decode_views(views: Encoded, device: torch.device, size: int,
+                 broken: list[str] | None = None) -> tuple[torch.Tensor, dict]:
     """The views decoded on ``device`` (the JPEGs in one batched call; those its decoder refuses, and the images the
     loader decoded, cut on the host and moved in one copy: ``device_resize.decode_crop_resize``), cropped, resized
-    to ``size`` and flipped, and {index: bad-sample record} of those that decoded nowhere (zeros)."""
+    to ``size`` and flipped, and {index: bad-sample record} of those that decoded nowhere (zeros). ``broken``: as
+    ``batch_on_device`` takes it."""
     payloads, meta = views.payloads(), views.meta
     pixels = {i: payloads[i].numpy().reshape(height, width, 3)  # images the loader decoded (not JPEGs)
               for i, (kind, height, width) in enumerate(meta[:, 1:4].tolist()) if kind == Encoded.RAW}
-    done = _decode_on_its_stream(payloads, meta[:, 4:8], size, views.flips, device, pixels)
+    done = _decode_on_its_stream(payloads, meta[:, 4:8], size, views.flips, device, pixels, broken)
     REFUSED[0] += done.refused
     return done.images, {i: {"reason": f"undecodable JPEG ({why})"} for i, why in done.failed.items()}
 
@@ -88,7 +110,7 @@ _STREAMS: dict = {}
 
 
 def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips: torch.Tensor, device: torch.device,
-                          pixels: dict) -> Decoded:
+                          pixels: dict, broken: list[str] | None = None) -> Decoded:
     """``decode_crop_resize`` with the decode on a CUDA stream of its own and the resize on the training stream.
     torchvision's nvJPEG decode allocates its outputs on the current stream but writes them on a private one that
     waits for no other: from the training stream's pool it could be handed memory that queued training kernels still
@@ -98,14 +120,14 @@ def _decode_on_its_stream(payloads: list, boxes: torch.Tensor, size: int, flips:
     stream it would stay reserved beside them."""
     flips = flips.to(device, non_blocking=True)
     if device.type != "cuda":
-        return decode_crop_resize(payloads, boxes, size, flips, device, pixels, BROKEN)
+        return decode_crop_resize(payloads, boxes, size, flips, device, pixels, broken)
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     stream = _STREAMS[device]
     current = torch.cuda.current_stream(device)
     stream.synchronize()  # the previous batch's decode: no block of this stream's pool is still written
     with torch.cuda.stream(stream):
-        crops, refused, failed = decode_crops(payloads, boxes, device, pixels, BROKEN)
+        crops, refused, failed = decode_crops(payloads, boxes, device, pixels, broken)
     current.wait_stream(stream)
     for crop in crops:  # their blocks go back to the decode's pool only once the training stream has read them
         crop.record_stream(current)

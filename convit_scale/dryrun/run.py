@@ -71,6 +71,7 @@ def _train_and_evaluate(cfg: Config, steps: int, census: Census) -> int:
                 run.strategy.forward = _tracked_forward(run.strategy.forward, tracker)
                 for micro_batches in steps_of_epoch(run, state):
                     census.phase = f"step {state.step + 1}"
+                    _count_in_its_step(micro_batches.images, census, state)
                     train_step(run, state, micro_batches)
                 census.phase = "eval"
                 run.strategy.train(False)
@@ -84,6 +85,24 @@ def _train_and_evaluate(cfg: Config, steps: int, census: Census) -> int:
         stop.restore()
     peak = tracker.get_tracker_snapshot("peak")
     return max((snap.get("Total", 0) for dev, snap in peak.items() if torch.device(dev).type == "cuda"), default=0)
+
+
+def _count_in_its_step(images, census: Census, state) -> None:
+    """The next step's first micro-batch, made on the device during this step (``StepImages.prepare``), counted as
+    that step's: each measured step holds its whole data path, the first step its own. Wrapped once per epoch."""
+    if getattr(images.prepare, "counted_in_its_step", False):
+        return
+    prepare = images.prepare
+
+    def in_its_step(batch):
+        before, census.phase = census.phase, f"step {state.step + 2}"
+        try:
+            prepare(batch)
+        finally:
+            census.phase = before
+
+    in_its_step.counted_in_its_step = True
+    images.prepare = in_its_step
 
 
 def _tracked_forward(forward, tracker: MemTracker):

@@ -13,7 +13,7 @@ import torch
 from .. import comm
 from ..data import Batch, DataError
 from ..data.device_augment import augment_batch, to_device
-from ..data.device_images import BROKEN, StepImages
+from ..data.device_images import StepImages
 from ..data.geometry import MicroPart
 from ..data.order import step_seed
 from ..data.transforms import seed_all
@@ -52,7 +52,7 @@ class StepTotals(NamedTuple):
     """Ranks whose checkpoint written beside training ended with an error: every rank then settles it and saves again
     after this step, instead of training on without a checkpoint until the next save."""
     decoder_broken: float
-    """Ranks whose device decoder refused a whole batch that PIL decodes (``device_images.BROKEN``): every rank then
+    """Ranks whose device decoder refused a whole batch that PIL decodes (``StepImages.broken``): every rank then
     raises it, a ``DataError`` (no restart repeats it), instead of one rank ending alone as a crash."""
 
 
@@ -68,7 +68,15 @@ class StepStats:
 
     def reduce(self) -> StepTotals:
         """The sums over ranks: the step's one all-reduce and its one host read."""
-        return StepTotals(*comm.all_reduce(self.vector).tolist())
+        return self.read(self.start_reduce())
+
+    def start_reduce(self) -> torch.Tensor:
+        """The all-reduce, issued (on a GPU the host goes on while it runs); ``read`` waits for its result."""
+        return comm.all_reduce(self.vector)
+
+    @staticmethod
+    def read(reduced: torch.Tensor) -> StepTotals:
+        return StepTotals(*reduced.tolist())
 
 
 @dataclass
@@ -92,21 +100,74 @@ class StepResult:
     """The save in flight failed on some rank (the same on every rank)."""
 
 
+class _Ahead:
+    """An iterator whose next item can be taken early (``peek``) and is still yielded in its turn; an error raised
+    while taking it early is raised in its turn too (a loader's refusal ends the run at the step it always did)."""
+
+    def __init__(self, it):
+        self._it, self._held, self._error = it, [], None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._held:
+            return self._held.pop()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return next(self._it)
+
+    def peek(self):
+        """The next item, without passing it; None at the end, or when taking it raised."""
+        if not self._held and self._error is None:
+            try:
+                self._held.append(next(self._it))
+            except StopIteration:
+                pass
+            except Exception as e:
+                self._error = e
+        return self._held[0] if self._held else None
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class StepMicroBatches:
+    """One step's micro-batches, iterated once (``steps_of_epoch``). ``images``: the epoch's ``StepImages``, which
+    moves, decodes and resizes them on the device. ``following()``: the first micro-batch of the epoch's next step,
+    taken from the loader now (None after the epoch's or the run's last step); it is still that step's, in turn."""
+
+    def __init__(self, batches: _Ahead, accum: int, images: StepImages, last: bool):
+        self._batches, self.accum, self.images, self.last = batches, accum, images, last
+
+    def __iter__(self):
+        return itertools.islice(self._batches, self.accum)
+
+    def following(self) -> Batch | None:
+        return None if self.last else self._batches.peek()
+
+
 def steps_of_epoch(run: Run, state: TrainState):
-    """The micro-batches of each remaining step of the current epoch, one step at a time; the loader's epoch is
-    closed when the epoch ends or the loop leaves it early."""
-    batches = run.train_loader.epoch(state.epoch, start_batch=state.batch_in_epoch)
+    """The micro-batches of each remaining step of the current epoch, one step at a time (``StepMicroBatches``); the
+    loader's epoch is closed when the epoch ends or the loop leaves it early (a micro-batch taken early for a step
+    that never ran is dropped with it: the state counts only the micro-batches trained)."""
+    batches = _Ahead(run.train_loader.epoch(state.epoch, start_batch=state.batch_in_epoch))
+    spec = run.train_loader.spec
+    images = StepImages(run.ctx.device, spec.img_size, spec.group_size)
     try:
-        while state.batch_in_epoch // run.accum < run.steps_per_epoch and state.step < run.total_steps:
-            yield itertools.islice(batches, run.accum)
+        while (in_epoch := state.batch_in_epoch // run.accum) < run.steps_per_epoch and state.step < run.total_steps:
+            last = in_epoch + 1 >= run.steps_per_epoch or state.step + 1 >= run.total_steps
+            yield StepMicroBatches(batches, run.accum, images, last)
     finally:
         batches.close()
 
 
-def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
+def train_step(run: Run, state: TrainState, micro_batches: StepMicroBatches) -> StepResult:
     """Forward/backward over the step's micro-batches, then one packed all-reduce (``StepTotals``) read by the host
     once: a bad step (non-finite loss or gradient) is skipped on every rank alike before any update, and the
-    replaced samples are gathered only when some rank has any."""
+    replaced samples are gathered only when some rank has any. Between the all-reduce's start and its read, the next
+    step's first micro-batch is made on the device (``_prepare_following``)."""
     cfg, ctx, strategy, watch = run.cfg, run.ctx, run.strategy, run.watch
     if run.faults is not None:
         run.faults.before_step(state.step + 1)
@@ -114,9 +175,7 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     lr = lr_at(state.step, run.lr, run.steps_per_epoch, cfg.schedule)
     strategy.set_lr(lr)
     stats, bad_samples, ids, taken = StepStats(ctx.device), [], [], 0
-    BROKEN.clear()  # this step's decodes only (a step that raised before its reduction leaves none for the next run)
-    spec = run.train_loader.spec
-    on_device = StepImages(ctx.device, spec.img_size, spec.group_size)
+    on_device = micro_batches.images
     for m, batch in enumerate(micro_batches):
         watch.mark(COMPUTE)
         ids.extend(batch.ids or ())
@@ -137,12 +196,14 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     stats.add("save_due", float(ctx.is_main and state.meters.save_due(run.every_minutes)))
     stats.add("log_due", float(ctx.is_main and state.meters.log_due(cfg.log.every_seconds)))
     stats.add("save_failed", float(save_failed()))
-    stats.add("decoder_broken", float(bool(BROKEN)))
+    broken = on_device.take_broken()  # this step's micro-batches' (the one made early for it included)
+    stats.add("decoder_broken", float(bool(broken)))
     watch.mark(REDUCE)
-    totals = stats.reduce()
+    reduced = stats.start_reduce()
+    _prepare_following(run, micro_batches)
+    totals = stats.read(reduced)
     if totals.decoder_broken:
-        why = next(m for ms in comm.all_gather_object(BROKEN[:1]) for m in ms)
-        BROKEN.clear()
+        why = next(m for ms in comm.all_gather_object(broken[:1]) for m in ms)
         raise DataError(f"step {state.step + 1}: {why}")
     if totals.bad_samples:
         bad_samples = [{**r, "rank": rank} for rank, rs in enumerate(comm.all_gather_object(bad_samples)) for r in rs]
@@ -160,6 +221,19 @@ def train_step(run: Run, state: TrainState, micro_batches) -> StepResult:
     bad = bool(totals.bad_loss or bad_grad)
     return StepResult(totals.loss_sum / cfg.data.global_batch_size, None if bad else norm, bad, totals.stop > 0,
                       lr, bad_samples, ids, totals.save_due > 0, totals.log_due > 0, totals.save_failed > 0)
+
+
+def _prepare_following(run: Run, micro_batches: StepMicroBatches) -> None:
+    """The next step's first micro-batch, taken from the loader and moved (decoded, resized) on the device now, while
+    the device still runs this step: the host's share of that work (the hand-over's copy, the decode's parsing and
+    nvJPEG's host phase, the resize's plan and launches) no longer stands between two steps with the device idle
+    after the step's host read. Its bad samples and decoder reports count in its own step; nothing it does draws from
+    a random generator, so the numbers are those made in turn."""
+    run.watch.mark(DATA)
+    batch = micro_batches.following()
+    if batch is not None:
+        micro_batches.images.prepare(batch)
+    run.watch.mark(REDUCE)
 
 
 def _sample_draws(run: Run, state: TrainState, batch: Batch, part: MicroPart, size: tuple[int, int]) -> tuple:
