@@ -37,3 +37,31 @@ def test_a_pipe_that_fails_twice_then_streams_is_read(fm_wds, tmp_path):
     with pytest.raises(SourceUnavailable, match=r"^pipe:case .*val-\S+\.tar: could not be opened after 2 tries "
                                         r"\(exit status 3: connection reset\); data.open_retries = 1$"):
         epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+
+
+def test_a_remote_shard_that_keeps_breaking_off_is_a_source_unavailable_not_bad_data(fm_wds, tmp_path):
+    """A ``pipe:`` shard whose stream breaks off mid-shard at every try: the rest of its samples are replaced, with
+    the reason that its stream broke off; past data.max_bad_samples that is ``SourceUnavailable`` (a store that may
+    come back: a crash to the launcher), where a local shard's corruption is bad data."""
+    from convit_scale.data import DataError
+
+    url = (f"pipe:case {{name}} in *-000000.tar) head -c 5000 {fm_wds}/{{name}}; exit 0;; "
+           f"*) cat {fm_wds}/{{name}};; esac")
+    local = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0)
+    d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 1, "open_retry_backoff_s": 0.01,
+                      "max_bad_samples": 1000})
+    got = epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+    reasons = {r["reason"].split(" after ")[0] for _, _, bad in got for r in bad}
+    assert reasons == {"the stream broke off"}, reasons
+    d = DataConfig(**{**d.__dict__, "max_bad_samples": 5})
+    with pytest.raises(SourceUnavailable, match=r"more than data.max_bad_samples = 5 .*the stream broke off"):
+        epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+    shard = sorted(fm_wds.glob("val-*.tar"))[0]
+    broken = tmp_path / "local"
+    broken.mkdir()
+    for f in fm_wds.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes()[:5000] if f == shard else f.read_bytes())
+    d = DataConfig(**{**local.__dict__, "val_path": str(broken), "max_bad_samples": 5})
+    with pytest.raises(DataError, match="truncated or corrupt shard") as refused:
+        epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+    assert type(refused.value) is DataError

@@ -14,7 +14,11 @@ from typing import NamedTuple
 
 from PIL import Image, UnidentifiedImageError
 
-from ..manifest import DataError
+from ..manifest import DataError, SourceUnavailable
+
+STREAM_BROKE = "the stream broke off"
+"""How the samples begin their reason that a remote shard (``pipe:`` or a URL) never delivered after its retries
+(``shards.py``): its source failed, not, as far as can be told, its data."""
 
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 """What PIL raises for bytes that are not a readable image (truncated, corrupt, not an image at all)."""
@@ -66,13 +70,17 @@ def next_good(failed, i: int, n: int) -> int | None:
 
 def limit_bad_samples(batches, limit: int, epoch: int, rank: int):
     """Yield ``batches``, counting their ``bad`` samples; a DataError once the epoch's count on this rank passes
-    ``limit``. After a resume the count starts at the resume point (earlier batches are skipped unread)."""
-    count = 0
+    ``limit`` (``SourceUnavailable`` where most of them are samples of remote shards whose stream broke off,
+    ``STREAM_BROKE``: a store that is down, which a restart may find back). After a resume the count starts at the
+    resume point (earlier batches are skipped unread)."""
+    count = broke = 0
     for batch in batches:
         count += len(batch.bad)
+        broke += sum(1 for r in batch.bad if str(r.get("reason", "")).startswith(STREAM_BROKE))
         if count > limit:
             last = batch.bad[-1]
             where = last.get("shard", last.get("file"))
-            raise DataError(f"{where}: {count} unreadable samples in epoch {epoch} on rank {rank}, more than "
-                            f"data.max_bad_samples = {limit} (last: key {last['key']}: {last['reason']})")
+            error = SourceUnavailable if 2 * broke > count else DataError
+            raise error(f"{where}: {count} unreadable samples in epoch {epoch} on rank {rank}, more than "
+                        f"data.max_bad_samples = {limit} (last: key {last['key']}: {last['reason']})")
         yield batch

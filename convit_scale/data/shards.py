@@ -11,7 +11,7 @@ import numpy as np
 
 from ..manifest import SourceUnavailable, read_label
 from ..streams import CommandStream, open_stream, shard_url
-from .faults import reason_of
+from .faults import STREAM_BROKE, reason_of
 
 
 def _tar_samples(tar, where: list, label: str = "cls"):
@@ -66,7 +66,7 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
     backoff_s, ... (``retries`` times), skipping the samples already delivered; a local file that is not a
     valid tar reads the same again and is not reopened. When it never opens: ``SourceUnavailable`` (a DataError)
     naming the shard and the number of tries. When it keeps failing mid-shard: the rest of its samples come with the
-    reason."""
+    reason (``STREAM_BROKE`` for a remote shard)."""
     url = shard_url(location, name)
     local = "{name}" not in location
     delivered, tries, where = 0, 0, [None]
@@ -97,7 +97,8 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
             if not opened and delivered == 0:
                 raise SourceUnavailable(f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} "
                                 f"({reason}); data.open_retries = {retries}") from e
-            why = f"truncated or corrupt shard after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})"
+            what = "truncated or corrupt shard" if local else STREAM_BROKE
+            why = f"{what} after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})"
             for off in range(delivered, count):
                 yield (where[0] if off == delivered and where[0] is not None else f"#{off}"), None, None, why
             return
