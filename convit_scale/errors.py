@@ -15,4 +15,16 @@ class BadInput(Exception):
     """Input the user can fix: the message names the key, flag or path and what is allowed, in one line."""
 
 
-__all__ = ["BadInput"]
+def message(e: BaseException) -> str:
+    """``str(e)``; for an error torch's DataLoader raised again from a worker process (a shard that did not open in a
+    loader worker: its message is "Caught X in DataLoader worker process N." and the worker's whole traceback), the
+    worker's own message, the traceback's last line past the error's name."""
+    text = str(e)
+    if not (text.startswith("Caught ") and " in DataLoader worker process " in text and "\nOriginal Traceback" in text):
+        return text
+    last = text.rstrip().splitlines()[-1]
+    name, sep, rest = last.partition(": ")
+    return rest if sep and name.rsplit(".", 1)[-1] == type(e).__name__ else last
+
+
+__all__ = ["BadInput", "message"]

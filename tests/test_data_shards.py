@@ -65,3 +65,21 @@ def test_a_remote_shard_that_keeps_breaking_off_is_a_source_unavailable_not_bad_
     with pytest.raises(DataError, match="truncated or corrupt shard") as refused:
         epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
     assert type(refused.value) is DataError
+
+
+def test_a_shard_that_never_opens_in_a_loader_worker_is_named_in_one_line(fm_wds, tmp_path):
+    """Raised in a loader worker process, torch's DataLoader raises it again with the worker's traceback as its
+    message: the rank's error line and heartbeat still say the worker's one line (``errors.message``)."""
+    from convit_scale.errors import message
+    from convit_scale.train.engine import _outcome
+
+    url = _flaky_pipe(tmp_path, fm_wds, "echo 'connection reset' >&2; exit 3")
+    d = DataConfig(format="wds", train_path=str(fm_wds), val_path=url, num_workers=1, open_retries=1,
+                   open_retry_backoff_s=0.01)
+    with pytest.raises(SourceUnavailable) as raised:
+        epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+    assert "DataLoader worker process" in str(raised.value)  # torch's wrapping, as a rank meets it
+    line = message(raised.value)
+    assert "\n" not in line and line.endswith("could not be opened after 2 tries (exit status 3: connection reset); "
+                                              "data.open_retries = 1"), line
+    assert _outcome(raised.value) == f"failed: SourceUnavailable: {line}"[:len("failed: SourceUnavailable: ") + 300]

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import comm
 from ..config import Config
 from ..data import DataError
-from ..errors import BadInput
+from ..errors import BadInput, message
 from ..manifest import SourceUnavailable
 from ..runfolder import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_STORAGE, FolderHeld, release_lease
 from .distributed import init_distributed, set_flight_recorder
@@ -44,7 +44,7 @@ def _watchdog(cfg: Config) -> Watchdog:
 
 def _outcome(e: BaseException) -> str:
     """How a rank ended, for its last heartbeat (the launcher's diagnosis reads it: an OutOfMemoryError is an OOM)."""
-    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    first = next((line for line in message(e).splitlines() if line.strip()), "")
     return f"failed: {type(e).__name__}: {first[:300]}"
 
 
@@ -97,16 +97,16 @@ def exit_status(cfg: Config) -> int:
     try:
         status = train(cfg)
     except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {message(e)}", file=sys.stderr)
         return EXIT_NONFINITE
     except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {message(e)}", file=sys.stderr)
         return EXIT_STORAGE
     except SourceUnavailable as e:  # the data may come back: a crash to the launcher (restarted after progress)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {message(e)}", file=sys.stderr)
         return 1
     except (SetupRefused, DataError) as e:  # DataError: data that failed during training (max_bad_samples, a shard)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {message(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return EXIT_REQUEUE if status == "stopped" else 0
 
