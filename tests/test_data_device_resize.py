@@ -146,7 +146,7 @@ def test_a_box_over_64_times_the_output_is_resized_exactly_in_a_float64_chunk_of
     the others, PIL's tall rule included) are PIL's pixels all the same, from float64 passes of their own chunks."""
     passes, real = [], device_resize._resize_passes
     monkeypatch.setattr(device_resize, "_resize_passes",
-                        lambda boxes, *a: passes.append((len(boxes), a[-2], a[-1])) or real(boxes, *a))
+                        lambda boxes, *a: passes.append((len(boxes), a[-3], a[-2])) or real(boxes, *a))
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in [(3, 20000, 3), (40, 30, 3), (300, 2, 3),
                                                                          (256, 200, 3), (257, 300, 3)]]
@@ -159,6 +159,23 @@ def test_a_box_over_64_times_the_output_is_resized_exactly_in_a_float64_chunk_of
     # (300 > 100 x 2) in a chunk of its own
     assert sorted(passes, key=str) == sorted([(2, False, torch.float32), (2, False, torch.float64),
                                               (1, True, torch.float64)], key=str)
+
+
+def test_a_box_too_large_for_any_chunk_is_resized_in_blocks_of_rows(monkeypatch):
+    """One image whose working memory is over the chunk budget (a chunk cannot be smaller than one image): its first
+    pass runs over blocks of rows that fit the budget, with the same pixels as PIL's."""
+    products, bmm = [], torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: products.append(tuple(a.shape)) or bmm(a, b))
+    rng = np.random.default_rng(4)
+    img = rng.integers(0, 256, (300, 280, 3), dtype=np.uint8)  # 300 > 64 x 4: float64
+    want = np.asarray(Image.fromarray(img).resize((4, 4), Image.BICUBIC))
+    whole = resize_packed(*_packed([img]), 4)
+    assert np.array_equal(_hwc(whole[0]), want) and len(products) == 2  # both passes, all rows at once
+    products.clear()
+    budget = 3 * (280 + 5 * 4) * 8 * 16  # 16 rows a block
+    blocks = resize_packed(*_packed([img]), 4, chunk_bytes=budget)
+    assert np.array_equal(_hwc(blocks[0]), want)
+    assert [p[1] for p in products[:-1]] == [3 * 16] * 18 + [3 * 12] and len(products) == 20, products
 
 
 def _timm_crop(data: bytes, box, flip: bool) -> np.ndarray:

@@ -28,7 +28,8 @@ Kernel launches per call do not grow with the batch: the weights are built for a
 by size and cut into chunks of at most ``CHUNK_BYTES`` of working memory (``bytes_per_image``: for a box padded to
 H x W resized to S, about 15 HW + 12 SW + 36 HS bytes, 9.1 MB at 500 x 500 -> 224), each chunk padded to its own
 largest box. A batch of 256 RandomResizedCrop boxes of ImageNet-sized images (500 x 375) is one chunk of 255 and one
-of 1 at the default 2 GiB.
+of 1 at the default 2 GiB. An image over the budget alone (a crop tens of thousands of pixels wide) is a chunk of its
+own whose first pass runs over blocks of rows (``_pass_rows``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def _round_limbs(p0: torch.Tensor, p1: torch.Tensor, p2: torch.Tensor) -> torch.
 # ---------------------------------------------------------------------------------------------------------
 
 def _resize_chunk(boxes: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, size: int, flips: torch.Tensor | None,
-                  taps: tuple[int, int], kind: _Kind) -> torch.Tensor:
+                  taps: tuple[int, int], kind: _Kind, budget: int | None = None) -> torch.Tensor:
     """boxes uint8 (n, 3, H, W) padded (any strides), hs/ws (n,) int64 on the device -> (n, 3, S, S) with uint8
     values, float32 (float64 for a ``kind.wide`` chunk). ``kind.tall``: the vertical pass first (PIL's rule for very
     tall images), as the horizontal-first resize of the transposed boxes, transposed back."""
@@ -141,25 +142,45 @@ def _resize_chunk(boxes: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, size:
         boxes, hs, ws, taps = boxes.transpose(2, 3), ws, hs, taps[::-1]
     with torch.autocast(boxes.device.type, enabled=False):  # the sums reach 1.7e7: fp16 overflows, bf16 rounds
         return _resize_passes(boxes, hs, ws, size, flips, taps, kind.tall,
-                              torch.float64 if kind.wide else torch.float32)
+                              torch.float64 if kind.wide else torch.float32, budget)
 
 
-def _resize_passes(boxes, hs, ws, size, flips, taps, transposed, dtype):
+def _resize_passes(boxes, hs, ws, size, flips, taps, transposed, dtype, budget=None):
     n, _, h, w = boxes.shape
-    x = torch.empty((n, h, 3, w), dtype=dtype, device=boxes.device)
-    x.copy_(boxes.permute(0, 2, 1, 3))  # rows (y, channel): pass 1 contracts columns, pass 2 rows
     weights = _limb_matrix(ws, w, size, taps[1], None if transposed else flips, dtype)
-    p = torch.bmm(x.view(n, h * 3, w), weights.transpose(1, 2))  # (n, 3H, L * S)
-    del x, weights
-    p = p.view(n, h * 3, LIMBS, size)
-    mid = _round_limbs(p[:, :, 0], p[:, :, 1], p[:, :, 2])  # (n, 3H, S): PIL's 8-bit intermediate image
-    del p
+    rows = _pass_rows(n, h, w, size, dtype, budget)
+    mid = None if rows == h else torch.empty((n, h * 3, size), dtype=dtype, device=boxes.device)
+    for top in range(0, h, rows):  # one block of rows, but for one image whose pass alone is over the budget
+        block = boxes[:, :, top:top + rows]
+        x = torch.empty((n, block.shape[2], 3, w), dtype=dtype, device=boxes.device)
+        x.copy_(block.permute(0, 2, 1, 3))  # rows (y, channel): pass 1 contracts columns, pass 2 rows
+        p = torch.bmm(x.view(n, -1, w), weights.transpose(1, 2))  # (n, 3 rows, L * S)
+        del x
+        p = p.view(n, -1, LIMBS, size)
+        part = _round_limbs(p[:, :, 0], p[:, :, 1], p[:, :, 2])  # (n, 3 rows, S): PIL's 8-bit intermediate image
+        del p
+        if mid is None:
+            mid = part
+        else:
+            mid[:, 3 * top:3 * top + part.shape[1]] = part
+    del weights
     weights = _limb_matrix(hs, h, size, taps[0], flips if transposed else None, dtype)
     q = torch.bmm(weights, mid.view(n, h, 3 * size))  # (n, L * S, 3S)
     del mid, weights
     q = q.view(n, LIMBS, size, 3 * size)
     out = _round_limbs(q[:, 0], q[:, 1], q[:, 2]).view(n, size, 3, size).permute(0, 2, 1, 3)  # (n, 3, S, S)
     return out.transpose(2, 3) if transposed else out
+
+
+def _pass_rows(n: int, h: int, w: int, size: int, dtype: torch.dtype, budget: int | None) -> int:
+    """Rows of the first pass at a time: all of them, unless the chunk is one image whose working memory is over
+    ``budget`` (a box too large for any chunk: a photograph's crop tens of thousands of pixels wide, in float64);
+    then as many as keep each block's float copy, product and rounding (about 3 x (W + 5S) values a row) within
+    it, and the 8-bit intermediate image is filled block by block."""
+    itemsize = torch.finfo(dtype).bits // 8
+    if budget is None or n != 1 or bytes_per_image(h, w, size) * itemsize // 4 <= budget:
+        return h
+    return max(1, min(h, budget // (3 * (w + (LIMBS + 2) * size) * itemsize)))
 
 
 def _taps_of(in_max: int, size: int) -> int:
@@ -252,7 +273,7 @@ def _resize_rows(rows: _Rows, size: int, flips: torch.Tensor | None, out_dtype: 
         boxes = _gather(rows, sel, h, w)
         sub = table.index_select(0, sel)
         resized = _resize_chunk(boxes, sub[:, 3], sub[:, 4], size, None if flips is None else flips[sel],
-                                (_taps_of(h, size), _taps_of(w, size)), kind)
+                                (_taps_of(h, size), _taps_of(w, size)), kind, budget)
         out.index_copy_(0, sel, resized.to(out_dtype))
     return out
 
