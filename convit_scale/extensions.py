@@ -9,9 +9,11 @@ keeps its own build (DeepSpeed's, per kind of CPU too: it compiles for the CPU i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,10 +30,39 @@ def environment_tag() -> str:
     return hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
 
 
-def cpu_tag(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """A short name of this kind of CPU: a digest of its instruction-set flags (Linux), else the machine's type.
-    DeepSpeed compiles its CPU ops with ``-march=native``: a build from a login node's newer CPU stops a compute
-    node's older one with an illegal instruction."""
+def native_target(compiler: str | None = None) -> str:
+    """What ``-march=native`` means to the C++ compiler that builds the extensions (``$CXX``, else ``c++``, as torch's
+    ``cpp_extension`` chooses it): its resolved ``-march``/``-mtune`` and the instruction sets it enables, one per
+    line, sorted; "" where the compiler does not say (none installed, or one without GCC's ``-Q --help=target``)."""
+    return _native_target(compiler or os.environ.get("CXX") or "c++")
+
+
+@functools.lru_cache(maxsize=None)
+def _native_target(compiler: str) -> str:
+    try:
+        res = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if res.returncode != 0:
+        return ""
+    kept = set()
+    for line in res.stdout.splitlines():
+        words = line.split()
+        if len(words) == 2 and (words[0] in ("-march=", "-mtune=") or words[1] == "[enabled]"):
+            kept.add(words[0] + words[1])
+    return "\n".join(sorted(kept))
+
+
+def cpu_tag(cpuinfo: str = "/proc/cpuinfo", compiler: str | None = None) -> str:
+    """A short name of the kind of CPU that DeepSpeed's builds are for. DeepSpeed compiles its CPU ops with
+    ``-march=native``: a build from a login node's newer CPU stops a compute node's older one with an illegal
+    instruction. The name is a digest of what ``-march=native`` means to the compiler (``native_target``: exactly
+    what the build's code may use), else of the CPU's flags (``cpuinfo``, Linux: they also hold flags of the kernel
+    and the microcode, so an update there costs one needless rebuild), else the machine's type."""
+    target = native_target(compiler)
+    if target:
+        return hashlib.sha1(target.encode()).hexdigest()[:6]
     try:
         with open(cpuinfo) as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")

@@ -85,6 +85,19 @@ def test_deepspeeds_cpu_builds_are_kept_per_kind_of_cpu(tmp_path):
     older.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
     newer.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
     same.write_text("processor\t: 0\nflags\t\t: avx2 sse2 fpu\nprocessor\t: 1\nflags\t\t: avx2 sse2 fpu\n")
-    assert extensions.cpu_tag(str(older)) != extensions.cpu_tag(str(newer))
-    assert extensions.cpu_tag(str(older)) == extensions.cpu_tag(str(same))
-    assert extensions.cpu_tag(str(tmp_path / "none")) == extensions.platform.machine()
+    none = str(tmp_path / "no-compiler")  # the CPU's flags where the compiler does not say
+    assert extensions.cpu_tag(str(older), none) != extensions.cpu_tag(str(newer), none)
+    assert extensions.cpu_tag(str(older), none) == extensions.cpu_tag(str(same), none)
+    assert extensions.cpu_tag(str(tmp_path / "none"), none) == extensions.platform.machine()
+    # the compiler's own -march=native: the same target whatever else the kernel lists, another one for another CPU
+    compilers = {}
+    for name, extra in (("a", ""), ("b", ""), ("c", "  -mavx512f                   \t\t[enabled]\n")):
+        cxx = tmp_path / f"cxx-{name}"
+        cxx.write_text("#!/bin/sh\nprintf '%s' '  -march=                     \t\tskylake\n"
+                       "  -mavx2                      \t\t[enabled]\n  -mavx512f                   \t\t[disabled]\n"
+                       f"{extra}'\n")
+        cxx.chmod(0o755)
+        compilers[name] = str(cxx)
+    assert "-march=skylake" in extensions.native_target(compilers["a"])
+    assert extensions.cpu_tag(str(older), compilers["a"]) == extensions.cpu_tag(str(newer), compilers["b"])
+    assert extensions.cpu_tag(str(older), compilers["a"]) != extensions.cpu_tag(str(older), compilers["c"])
