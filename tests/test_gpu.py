@@ -569,6 +569,35 @@ def test_device_resize_and_decode_throughput():
 
 
 @pytest.mark.g4
+def test_the_next_micro_batch_made_during_the_step_keeps_the_gpu_busy(tree, tmp_path, monkeypatch):
+    """decode_on device (nvJPEG), ConViT-Ti at 224: the step time with the next step's first micro-batch made while
+    the GPU finishes the step (the default) and with each made in its turn, after the step's host read
+    (``prefetch.json``); the same losses either way."""
+    import statistics
+
+    from convit_scale.train.step import StepMicroBatches
+    from data_prep import PrepOptions, prepare
+
+    prepare(tree, tmp_path / "wds", PrepOptions(fmt="wds", workers=2, shard_size=128))
+    result = {"device": torch.cuda.get_device_name()}
+    losses = {}
+    for name in ("ahead", "in_turn"):
+        if name == "in_turn":
+            monkeypatch.setattr(StepMicroBatches, "following", lambda self: None)
+        r = _recipe(tmp_path, tree, f"prefetch_{name}", data={**LEARN, "format": "wds",
+                                                                 "train_path": str(tmp_path / "wds"), "val_path": "",
+                                                                 "decode_on": "device", "global_batch_size": 64},
+                    schedule={"max_steps": 40}, checkpoint={"every_steps": 1000})
+        assert _in_process(r) == 0
+        recs = _records(tmp_path / f"prefetch_{name}")
+        losses[name] = [x["loss"] for x in recs]
+        result[f"{name}_step_ms"] = 1000 * statistics.median(x["step_time_s"] for x in recs[10:])
+    result["ahead_vs_in_turn"] = result["ahead_step_ms"] / result["in_turn_step_ms"]
+    _write("prefetch.json", result)
+    assert all(abs(a - b) < 1e-3 for a, b in zip(losses["ahead"][:5], losses["in_turn"][:5])), losses
+
+
+@pytest.mark.g4
 def test_ffcv_batches_reach_the_gpu_pinned(tree, tmp_path):
     import importlib.util
 
