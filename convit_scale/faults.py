@@ -137,11 +137,20 @@ def first_failed_task(log: str) -> dict | None:
     return None
 
 
+SQUEUE_TIMEOUT_S = 30
+"""How long the launcher waits for ``squeue``'s or ``scontrol``'s answer (a slurmctld that does not answer must not
+hold the job)."""
+
+
 def node_states(nodes: list[str]) -> dict[str, str]:
     """Slurm's state of each node (``scontrol show node``); empty where scontrol cannot answer."""
     if not nodes:
         return {}
-    res = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True)
+    try:
+        res = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
+                             timeout=SQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
     found = {}
     for line in res.stdout.splitlines():
         fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
@@ -156,10 +165,6 @@ RESTART_MIN_TIME_LEFT_S = SIGNAL_LEAD_S + 60 + 120
 """A restart inside the allocation needs this long before the time limit: the signal's lead, the up to 60 s earlier
 that Slurm may send it (sbatch's ``--signal``), and a start to its first step (imports, rendezvous, the checkpoint's
 load). With less, a new step would not see the signal: it would train unsaved until the limit killed it."""
-
-
-SQUEUE_TIMEOUT_S = 30
-"""How long the launcher waits for ``squeue``'s answer (a slurmctld that does not answer must not hold the job)."""
 
 
 def job_time_left(job: str) -> float | None:

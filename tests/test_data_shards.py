@@ -45,7 +45,7 @@ def test_a_remote_shard_that_keeps_breaking_off_is_a_source_unavailable_not_bad_
     come back: a crash to the launcher), where a local shard's corruption is bad data."""
     from convit_scale.data import DataError
 
-    url = (f"pipe:case {{name}} in *-000000.tar) head -c 5000 {fm_wds}/{{name}}; exit 0;; "
+    url = (f"pipe:case {{name}} in *-000000.tar) head -c 5000 {fm_wds}/{{name}}; echo reset >&2; exit 56;; "
            f"*) cat {fm_wds}/{{name}};; esac")
     local = DataConfig(format="wds", train_path=str(fm_wds), val_path=str(fm_wds), num_workers=0)
     d = DataConfig(**{**local.__dict__, "val_path": url, "open_retries": 1, "open_retry_backoff_s": 0.01,
@@ -56,15 +56,22 @@ def test_a_remote_shard_that_keeps_breaking_off_is_a_source_unavailable_not_bad_
     d = DataConfig(**{**d.__dict__, "max_bad_samples": 5})
     with pytest.raises(SourceUnavailable, match=r"more than data.max_bad_samples = 5 .*the stream broke off"):
         epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
-    shard = sorted(fm_wds.glob("val-*.tar"))[0]
-    broken = tmp_path / "local"
-    broken.mkdir()
-    for f in fm_wds.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes()[:5000] if f == shard else f.read_bytes())
-    d = DataConfig(**{**local.__dict__, "val_path": str(broken), "max_bad_samples": 5})
+    # a remote shard whose command ends well but short: its bytes, not their transport
+    short = url.replace("echo reset >&2; exit 56", "exit 0")
+    d = DataConfig(**{**d.__dict__, "val_path": short})
     with pytest.raises(DataError, match="truncated or corrupt shard") as refused:
         epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
     assert type(refused.value) is DataError
+    shard = sorted(fm_wds.glob("val-*.tar"))[0]
+    for name, cut in (("local", 5000), ("not-a-tar", 100)):  # truncated mid-shard; no tar from its first byte
+        broken = tmp_path / name
+        broken.mkdir()
+        for f in fm_wds.iterdir():
+            (broken / f.name).write_bytes(f.read_bytes()[:cut] if f == shard else f.read_bytes())
+        d = DataConfig(**{**local.__dict__, "val_path": str(broken), "max_bad_samples": 5})
+        with pytest.raises(DataError, match="truncated or corrupt shard|could not be opened") as refused:
+            epoch_batches(build_loader(d, LoaderSpec("val", 32, 50)))
+        assert type(refused.value) is DataError, name
 
 
 def test_a_shard_that_never_opens_in_a_loader_worker_is_named_in_one_line(fm_wds, tmp_path):

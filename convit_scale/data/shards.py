@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from ..manifest import SourceUnavailable, read_label
+from ..manifest import DataError, SourceUnavailable, read_label
 from ..streams import CommandStream, open_stream, shard_url
 from .faults import STREAM_BROKE, reason_of
 
@@ -65,8 +65,9 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
     why a sample has no data. A shard that fails to open or to stream is reopened after backoff_s, 2 x
     backoff_s, ... (``retries`` times), skipping the samples already delivered; a local file that is not a
     valid tar reads the same again and is not reopened. When it never opens: ``SourceUnavailable`` (a DataError)
-    naming the shard and the number of tries. When it keeps failing mid-shard: the rest of its samples come with the
-    reason (``STREAM_BROKE`` for a remote shard)."""
+    naming the shard and the number of tries (a plain ``DataError`` for a local file that is no tar). When it keeps
+    failing mid-shard: the rest of its samples come with the reason (``STREAM_BROKE`` where a remote shard's
+    transport failed: its command's non-zero exit, or an I/O error)."""
     url = shard_url(location, name)
     local = "{name}" not in location
     delivered, tries, where = 0, 0, [None]
@@ -91,13 +92,15 @@ def shard_samples(location: str, name: str, count: int, retries: int, backoff_s:
         except (OSError, tarfile.TarError, EOFError) as e:
             failure = stream.failure(wait=True) if isinstance(stream, CommandStream) else None
             reason = failure or reason_of(e)
-            if tries <= retries and not (local and isinstance(e, (tarfile.TarError, EOFError))):
+            bytes_fault = isinstance(e, (tarfile.TarError, EOFError)) and failure is None  # not their transport
+            if tries <= retries and not (local and bytes_fault):
                 sleep(backoff_s * 2 ** (tries - 1))
                 continue
-            if not opened and delivered == 0:
-                raise SourceUnavailable(f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} "
-                                f"({reason}); data.open_retries = {retries}") from e
-            what = "truncated or corrupt shard" if local else STREAM_BROKE
+            if not opened and delivered == 0:  # a local file that is no tar is bad data; a store may come back
+                raise (DataError if local and bytes_fault else SourceUnavailable)(
+                    f"{url}: could not be opened after {tries} tr{'y' if tries == 1 else 'ies'} ({reason}); "
+                    f"data.open_retries = {retries}") from e
+            what = "truncated or corrupt shard" if local or bytes_fault else STREAM_BROKE
             why = f"{what} after {tries} tr{'y' if tries == 1 else 'ies'} ({reason})"
             for off in range(delivered, count):
                 yield (where[0] if off == delivered and where[0] is not None else f"#{off}"), None, None, why
