@@ -55,7 +55,8 @@ METRICS = "metrics.jsonl"
 
 EXIT_BAD_INPUT = 2
 """Refused at start-up (data, checkpoint, world size, a folder another run holds) or data that failed during
-training: one ``error:`` line."""
+training: one ``error:`` line. (Data that could not be reached during training, ``manifest.SourceUnavailable``, ends
+a rank with 1 and its ``error:`` line instead: a crash to the launcher.)"""
 EXIT_NONFINITE = 3
 """Stopped by the non-finite policy, without saving."""
 EXIT_REQUEUE = 75
