@@ -84,16 +84,20 @@ def test_step_stats_are_named_slots_of_one_reduction():
 
 def test_the_next_steps_first_micro_batch_is_made_on_the_device_before_the_steps_read(fm_wds, tmp_path,
                                                                                       monkeypatch):
-    """decode_on device: each step's first micro-batch after the first is taken from the loader, decoded and resized
-    while the step before it waits for its reduction (between the all-reduce's start and its read), once, never past
-    the run's last step; the run's numbers are those of a run that makes each micro-batch in its turn."""
+    """decode_on device: each step's first micro-batch after the first is taken from the loader, decoded, resized
+    and augmented while the step before it waits for its reduction (between the all-reduce's start and its read),
+    once, never past the run's last step; the run's numbers are those of a run that makes each micro-batch in its
+    turn."""
     from convit_scale.data import device_images
     from convit_scale.train import step as step_module
 
     def run(name, events):
         real_make, real_read = device_images.batch_on_device, step_module.StepStats.read
+        real_augment = step_module.augment_batch
         monkeypatch.setattr(device_images, "batch_on_device",
                             lambda batch, *a: events.append(("made", tuple(batch.ids))) or real_make(batch, *a))
+        monkeypatch.setattr(step_module, "augment_batch",
+                            lambda x, seeds, cfg: events.append(("augmented",)) or real_augment(x, seeds, cfg))
         monkeypatch.setattr(step_module.StepStats, "read",
                             staticmethod(lambda reduced: events.append(("read",)) or real_read(reduced)))
         r = tiny_recipe(tmp_path / f"{name}.yaml", "wds", fm_wds, tmp_path / name, schedule={"max_steps": 3},
@@ -105,8 +109,8 @@ def test_the_next_steps_first_micro_batch_is_made_on_the_device_before_the_steps
 
     events = []
     ahead = run("ahead", events)
-    kinds = [e[0] for e in events]  # 2 micro-batches a step; each step's reduction read once
-    assert kinds == ["made", "made", "made", "read", "made", "made", "read", "made", "read"], kinds
+    kinds = [e[0][0] for e in events]  # (m)ade, (a)ugmented, (r)ead; 2 micro-batches a step, one read each
+    assert "".join(kinds) == "mamamar" "mamar" "mar", kinds
     assert len({e[1] for e in events if e[0] == "made"}) == 6  # each micro-batch once
     monkeypatch.setattr(step_module.StepMicroBatches, "following", lambda self: None)
     in_turn = run("in_turn", [])

@@ -50,7 +50,8 @@ class StepImages:
     """``batch_on_device`` for an epoch's micro-batches in turn. A part with no samples (``MicroPart.samples == 0``) is
     the previous micro-batch again (the same ``Batch.images``, ``data/steps.py``): it gets the tensors made for that one
     instead of a second copy, decode and resize. They are kept only while the next part is such a repeat. ``prepare``
-    makes a micro-batch's tensors before it is asked for (the next step's first, while the device finishes this one).
+    makes a micro-batch's tensors before it is asked for (the next step's first, while the device finishes this one),
+    its device augmentation too.
 
     ``broken``: why the device's decoder refused a whole batch (``device_resize.REFUSED_ALL_AT``), of the batches made
     since the training step last took them: it raises them on every rank alike (``StepTotals.decoder_broken``)."""
@@ -58,6 +59,7 @@ class StepImages:
     def __init__(self, device: torch.device, size: int, group: int):
         self.device, self.size, self.group = device, size, group
         self._held: tuple | None = None
+        self._augmented: tuple | None = None
         self.broken: list[str] = []
 
     def __call__(self, batch: Batch, repeated_next: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,14 +75,24 @@ class StepImages:
             self._held = (batch.images, out)
         return out
 
-    def prepare(self, batch: Batch) -> None:
-        """Make ``batch``'s tensors now, for the call that asks for them next (nothing else may come between). An
-        error (the device's out-of-memory, a decoder's fault) is kept and raised by that call."""
+    def prepare(self, batch: Batch, augment=None) -> None:
+        """Make ``batch``'s tensors now, for the call that asks for them next (nothing else may come between), and,
+        with ``augment`` (``augment(images, seeds)``, the device augmentation), its augmented images for
+        ``augmented``. An error (the device's out-of-memory, a decoder's fault) is kept and raised by that call."""
+        self._augmented = None
         try:
             out = batch_on_device(batch, self.device, self.size, self.group, self.broken)
+            if augment is not None:
+                self._augmented = (batch.images, augment(out[0], batch.seeds))
         except Exception as e:
             out = e
         self._held = (batch.images, out)
+
+    def augmented(self, batch: Batch):
+        """The augmented images ``prepare`` made for ``batch``, once (a repeat of it is augmented in its turn), else
+        None."""
+        held, self._augmented = self._augmented, None
+        return held[1] if held is not None and held[0] is batch.images else None
 
     def take_broken(self) -> list[str]:
         """The decoders' reports of the batches made until now, cleared here."""

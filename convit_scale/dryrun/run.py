@@ -94,10 +94,10 @@ def _count_in_its_step(images, census: Census, state) -> None:
         return
     prepare = images.prepare
 
-    def in_its_step(batch):
+    def in_its_step(batch, *args):
         before, census.phase = census.phase, f"step {state.step + 2}"
         try:
-            prepare(batch)
+            prepare(batch, *args)
         finally:
             census.phase = before
 

@@ -224,15 +224,17 @@ def train_step(run: Run, state: TrainState, micro_batches: StepMicroBatches) -> 
 
 
 def _prepare_following(run: Run, micro_batches: StepMicroBatches) -> None:
-    """The next step's first micro-batch, taken from the loader and moved (decoded, resized) on the device now, while
-    the device still runs this step: the host's share of that work (the hand-over's copy, the decode's parsing and
-    nvJPEG's host phase, the resize's plan and launches) no longer stands between two steps with the device idle
-    after the step's host read. Its bad samples and decoder reports count in its own step; nothing it does draws from
-    a random generator, so the numbers are those made in turn."""
+    """The next step's first micro-batch, taken from the loader, moved (decoded, resized) and augmented on the device
+    now, while the device still runs this step: the host's share of that work (the hand-over's copy, the decode's
+    parsing and nvJPEG's host phase, the resize's plan, the augmentation's draws from the sample seeds, their
+    launches) no longer stands between two steps with the device idle after the step's host read. Its bad samples
+    and decoder reports count in its own step; nothing it does draws from a random generator's state (the
+    augmentation draws from the sample seeds alone), so the numbers are those made in turn."""
     run.watch.mark(DATA)
     batch = micro_batches.following()
     if batch is not None:
-        micro_batches.images.prepare(batch)
+        cfg = run.device_augment
+        micro_batches.images.prepare(batch, None if cfg is None else lambda x, seeds: augment_batch(x, seeds, cfg))
     run.watch.mark(REDUCE)
 
 
@@ -258,7 +260,8 @@ def _micro_step(run: Run, state: TrainState, batch: Batch, m: int, stats: StepSt
         batch.bad.clear()
     keep, plan = _sample_draws(run, state, batch, part, tuple(x.shape[-2:]))
     if run.device_augment is not None:  # RandAugment, normalisation, erasing; every draw from the sample seed
-        x = augment_batch(x, batch.seeds, run.device_augment)
+        early = on_device.augmented(batch)  # made during the step before (``_prepare_following``)
+        x = early if early is not None else augment_batch(x, batch.seeds, run.device_augment)
     target = y
     if plan is not None:  # Mixup/CutMix per canonical group: the same pairs and draws at any world size
         x, target = run.mixup.apply(x, y, plan)
