@@ -74,6 +74,16 @@ def test_a_repeated_micro_batch_is_decoded_once(fm_wds):
         (x, y), (x_again, y_again) = made[2 * step], made[2 * step + 1]
         assert x_again is x and y_again is y
     assert not torch.equal(made[2][0], made[0][0]) and on_device._held is None
+    # made early with its augmentation (the next step's first micro-batch): the augmented images once, for that
+    # micro-batch; its repeat is augmented in its turn from the same uint8 images, which nothing changed
+    batches = list(itertools.islice(build_loader(d, spec).epoch(0), 2))
+    augmented = []
+    on_device.prepare(batches[0], lambda x, seeds: augmented.append(x.clone()) or x.float() + 1)
+    x, _ = on_device(batches[0], repeated_next=True)
+    early = on_device.augmented(batches[0])
+    assert torch.equal(early, x.float() + 1) and torch.equal(augmented[0], x)
+    repeat = Batch(batches[0].images, batches[0].labels, batches[0].seeds, (), [])  # data/steps.py's repeat
+    assert on_device(repeat, repeated_next=False)[0] is x and on_device.augmented(repeat) is None
     first = next(iter(build_loader(d, spec).epoch(0)))
     assert torch.equal(batch_on_device(first, CPU, 28, spec.group_size)[0], made[0][0])
 

@@ -119,7 +119,8 @@ def test_the_next_steps_first_micro_batch_is_made_on_the_device_before_the_steps
 
 def test_an_error_met_while_taking_or_making_a_micro_batch_early_is_raised_in_its_turn(monkeypatch):
     """The loader's refusal, or the device's failure, met while the next step's micro-batch was made early, ends the
-    run where it did before: when that step asks for it, after the step before it finished (its update, its saves)."""
+    run where it did before: when that step asks for it, after the step before it finished (its update, its saves);
+    the device running out of memory then (the step's gradients still held) has the batch made again in its turn."""
     from convit_scale.data import DataError, device_images
     from convit_scale.data.batch import Batch
     from convit_scale.data.device_images import StepImages
@@ -145,7 +146,10 @@ def test_an_error_met_while_taking_or_making_a_micro_batch_early_is_raised_in_it
     monkeypatch.setattr(device_images, "batch_on_device", out_of_memory_once)
     images = StepImages(torch.device("cpu"), 8, 1)
     batch = Batch(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
-    images.prepare(batch)  # kept...
-    with pytest.raises(torch.OutOfMemoryError):
-        images(batch, repeated_next=False)  # ...and raised when the batch is asked for, not made again
-    assert len(calls) == 1
+    images.prepare(batch)  # the device's out-of-memory error, with the step's gradients still held: dropped...
+    assert images(batch, repeated_next=False)[0] is batch.images and len(calls) == 2  # ...and made in its turn
+    monkeypatch.setattr(device_images, "batch_on_device",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("Failed to decode batch: CUDA ERROR")))
+    images.prepare(batch)  # any other error: kept...
+    with pytest.raises(RuntimeError, match="CUDA ERROR"):
+        images(batch, repeated_next=False)  # ...and raised when the batch is asked for

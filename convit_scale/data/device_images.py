@@ -78,12 +78,16 @@ class StepImages:
     def prepare(self, batch: Batch, augment=None) -> None:
         """Make ``batch``'s tensors now, for the call that asks for them next (nothing else may come between), and,
         with ``augment`` (``augment(images, seeds)``, the device augmentation), its augmented images for
-        ``augmented``. An error (the device's out-of-memory, a decoder's fault) is kept and raised by that call."""
-        self._augmented = None
+        ``augmented``. The device's out-of-memory error drops what was made (the step's gradients are still held
+        now): that call makes it again, in its turn. Any other error (a decoder's fault) is kept and raised by it."""
+        self._augmented = self._held = None
         try:
             out = batch_on_device(batch, self.device, self.size, self.group, self.broken)
             if augment is not None:
                 self._augmented = (batch.images, augment(out[0], batch.seeds))
+        except torch.OutOfMemoryError:
+            self._augmented = None
+            return
         except Exception as e:
             out = e
         self._held = (batch.images, out)
