@@ -86,7 +86,6 @@ class StepImages:
             if augment is not None:
                 self._augmented = (batch.images, augment(out[0], batch.seeds))
         except torch.OutOfMemoryError:
-            self._augmented = None
             return
         except Exception as e:
             out = e

@@ -63,12 +63,13 @@ TALL = 100
 """PIL resizes an image more than this many times taller than wide (and shrunk vertically) vertically first."""
 
 
-def bytes_per_image(height: int, width: int, size: int) -> int:
+def bytes_per_image(height: int, width: int, size: int, wide: bool = False) -> int:
     """Peak working bytes of one image padded to ``height`` x ``width`` resized to ``size`` (H, W, S): the largest of
     pass 1's product (uint8 box 3HW, float32 box 12HW, limb weights 12SW, output 36HS), its rounding (output and the
-    8-bit image 12HS), pass 2's product (that image, weights 12SH, output 36SS) and its rounding (12SS more)."""
+    8-bit image 12HS), pass 2's product (that image, weights 12SH, output 36SS) and its rounding (12SS more); twice
+    that for a ``wide`` image (``_Kind.wide``: float64 passes)."""
     h, w, s = height, width, size
-    return max(15 * h * w + 12 * s * w + 36 * h * s, 48 * h * s, 24 * h * s + 36 * s * s, 48 * s * s)
+    return (1 + wide) * max(15 * h * w + 12 * s * w + 36 * h * s, 48 * h * s, 24 * h * s + 36 * s * s, 48 * s * s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def _pass_rows(n: int, h: int, w: int, size: int, dtype: torch.dtype, budget: in
     then as many as keep each block's float copy, product and rounding (about 3 x (W + 5S) values a row) within
     it, and the 8-bit intermediate image is filled block by block."""
     itemsize = torch.finfo(dtype).bits // 8
-    if budget is None or n != 1 or bytes_per_image(h, w, size) * itemsize // 4 <= budget:
+    if budget is None or n != 1 or bytes_per_image(h, w, size, wide=itemsize == 8) <= budget:
         return h
     return max(1, min(h, budget // (3 * (w + (LIMBS + 2) * size) * itemsize)))
 
@@ -210,7 +211,7 @@ def _chunks(hs: np.ndarray, ws: np.ndarray, size: int, budget: int) -> list[tupl
         for i in idx.tolist():
             h2, w2 = max(hmax, int(hs[i])), max(wmax, int(ws[i]))
             pad_h, pad_w = (w2, h2) if kind.tall else (h2, w2)
-            if current and (len(current) + 1) * bytes_per_image(pad_h, pad_w, size) * (1 + kind.wide) > budget:
+            if current and (len(current) + 1) * bytes_per_image(pad_h, pad_w, size, kind.wide) > budget:
                 chunks.append((np.array(current), kind))
                 current, h2, w2 = [], int(hs[i]), int(ws[i])
             current.append(i)

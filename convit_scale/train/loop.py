@@ -76,15 +76,14 @@ def _eval_due(run: Run, state: TrainState, epoch: int) -> bool:
     return run.val_loader is not None and ((epoch + 1) % every == 0 or state.step >= run.total_steps)
 
 
-def end_of_epoch(run: Run, state: TrainState, epoch: int) -> bool:
-    """Evaluation and the gating/nonlocality analysis where due (``_eval_due``); whether they ran."""
+def end_of_epoch(run: Run, state: TrainState, epoch: int) -> None:
+    """Evaluation and the gating/nonlocality analysis where due (``_eval_due``)."""
     if not _eval_due(run, state, epoch):
-        return False
+        return
     if run.faults is not None:
         run.faults.before_eval(epoch)
     with long_phase(run, EVAL):
         _evaluate_and_analyse(run, state, epoch)
-    return True
 
 
 def _evaluate_and_analyse(run: Run, state: TrainState, epoch: int) -> None:
@@ -122,11 +121,12 @@ def close_epoch(run: Run, state: TrainState) -> bool:
     before it (in the epoch's last save) stops before it: the resumed run evaluates the epoch first."""
     if run.faults is not None:
         run.faults.before_close(state.epoch)
-    if state.step < run.total_steps and _eval_due(run, state, state.epoch) and _stop_agreed(run):
+    evaluating = state.step < run.total_steps and _eval_due(run, state, state.epoch)  # (the end saves anyway)
+    if evaluating and _stop_agreed(run):
         return True
-    evaluated = end_of_epoch(run, state, state.epoch)
+    end_of_epoch(run, state, state.epoch)
     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-    if evaluated and state.step < run.total_steps and _stop_agreed(run):
+    if evaluating and _stop_agreed(run):
         return True
     _periodic_save(run, state, run.cfg.checkpoint.every_epochs, state.epoch, "epoch")
     return False
